@@ -1,0 +1,33 @@
+"""pose-mlx: context-window extension for RoPE language models on MLX, built around PoSE.
+
+Importing the package loads an optimized BLAS for MLX on Linux (see `pose_mlx.backend`) and does not
+import MLX itself, so NumPy-only parts (`pose_mlx.positions`, `pose_mlx.rope`, `pose_mlx.analysis`) stay
+light. The MLX-facing API (`extend`, `use_positions`, `load`, ...) is imported on first use.
+"""
+
+from . import backend as _backend
+
+_backend.load_fast_blas()
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "extend": "pose_mlx.patch",
+    "use_positions": "pose_mlx.patch",
+    "PositionRoPE": "pose_mlx.patch",
+    "find_rope_modules": "pose_mlx.patch",
+    "load": "pose_mlx.patch",
+    "pose_position_ids": "pose_mlx.positions",
+    "randpos_position_ids": "pose_mlx.positions",
+    "scaled_inv_freq": "pose_mlx.rope",
+}
+
+__all__ = sorted(_LAZY) + ["__version__"]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'pose_mlx' has no attribute {name!r}")
