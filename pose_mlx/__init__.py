@@ -19,6 +19,8 @@ _LAZY = {
     "load": "pose_mlx.patch",
     "pose_position_ids": "pose_mlx.positions",
     "randpos_position_ids": "pose_mlx.positions",
+    "sample_example": "pose_mlx.positions",
+    "Example": "pose_mlx.positions",
     "scaled_inv_freq": "pose_mlx.rope",
 }
 
