@@ -1,0 +1,50 @@
+"""Shared fixtures: tiny random mlx-lm models of several families, built offline."""
+
+import pose_mlx  # noqa: F401  (loads the fast BLAS before mlx)
+
+import mlx.core as mx
+import pytest
+from mlx_lm.utils import _get_classes
+
+VOCAB = 97
+
+FAMILY_CONFIGS = {
+    "llama": dict(hidden_size=32, num_hidden_layers=2, intermediate_size=48, num_attention_heads=4,
+                  num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB, rope_theta=500.0),
+    "mistral": dict(hidden_size=32, num_hidden_layers=2, intermediate_size=48, num_attention_heads=4,
+                    num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB, rope_theta=1000.0),
+    "qwen2": dict(hidden_size=32, num_hidden_layers=2, intermediate_size=48, num_attention_heads=4,
+                  num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB, rope_theta=800.0),
+    "qwen3": dict(hidden_size=32, num_hidden_layers=2, intermediate_size=48, num_attention_heads=4,
+                  num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB, max_position_embeddings=256,
+                  head_dim=8, tie_word_embeddings=True, rope_theta=900.0),
+    "gemma": dict(hidden_size=32, num_hidden_layers=2, intermediate_size=48, num_attention_heads=4,
+                  head_dim=8, rms_norm_eps=1e-5, vocab_size=VOCAB, num_key_value_heads=1, rope_theta=700.0),
+    "gemma2": dict(hidden_size=32, num_hidden_layers=2, intermediate_size=48, num_attention_heads=4,
+                   head_dim=8, rms_norm_eps=1e-5, vocab_size=VOCAB, num_key_value_heads=2, rope_theta=700.0,
+                   query_pre_attn_scalar=8.0),
+    "phi3": dict(hidden_size=32, num_hidden_layers=2, intermediate_size=48, num_attention_heads=4,
+                 rms_norm_eps=1e-5, vocab_size=VOCAB, num_key_value_heads=4, rope_theta=600.0,
+                 partial_rotary_factor=0.5, max_position_embeddings=256, original_max_position_embeddings=64),
+    "starcoder2": dict(hidden_size=32, num_hidden_layers=2, intermediate_size=48, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=VOCAB, rope_theta=1000.0),
+    "gpt_neox": dict(max_position_embeddings=256, hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
+                     layer_norm_eps=1e-5, vocab_size=VOCAB, rotary_emb_base=500, rotary_pct=0.5),
+    "cohere": dict(hidden_size=32, num_hidden_layers=2, intermediate_size=48, num_attention_heads=4,
+                   num_key_value_heads=2, rope_theta=800.0, vocab_size=VOCAB),
+}
+
+
+def build_model(model_type: str, seed: int = 0, **overrides):
+    """A random-weight mlx-lm model of `model_type` from a tiny config (fp32)."""
+    config = {"model_type": model_type, **FAMILY_CONFIGS.get(model_type, {}), **overrides}
+    model_cls, args_cls = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_cls(args_cls.from_dict(config))
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.fixture
+def tiny_llama():
+    return build_model("llama")
