@@ -1,0 +1,261 @@
+"""The fine-tuning loop: masked next-token loss at explicit position ids, AdamW, resumable.
+
+- Loss: L = sum_t mask_t * CE(logits_t, target_t) / sum_t mask_t (padding has mask 0). The forward runs
+  inside `pose_mlx.use_positions(model, batch.positions)`, around the whole `value_and_grad` call, so
+  gradient checkpointing (which re-runs the forward in the backward) sees the same positions.
+- Update: gradients averaged over `grad_accum` micro-batches, clipped to global norm `max_grad_norm`,
+  AdamW with learning rate 0 -> lr linearly over `warmup` steps, then linearly down to 0 at `steps`.
+- Checkpoints every `save_every` steps and when SIGINT/SIGTERM arrive (then `Interrupted` is raised);
+  a non-finite loss raises `NonFiniteLoss` naming the step and leaves the last good checkpoint alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+from mlx.utils import tree_map
+
+from .checkpoint import load_checkpoint, read_state, save_checkpoint
+from .patch import use_positions
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss became NaN or infinite at `step`."""
+
+    def __init__(self, step: int, checkpoint_step: int | None):
+        kept = f"the last good checkpoint (step {checkpoint_step}) is kept" if checkpoint_step else "no checkpoint was written yet"
+        super().__init__(f"loss is not finite at step {step}; training stopped, {kept} (try a lower --lr)")
+        self.step = step
+
+
+class Interrupted(RuntimeError):
+    """Training stopped by a signal after saving a checkpoint at `step`."""
+
+    def __init__(self, signum: int, step: int):
+        super().__init__(f"interrupted by {signal.Signals(signum).name}; checkpoint saved at step {step}, "
+                         "continue with --resume")
+        self.signum = signum
+        self.step = step
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    lr: float = 2e-5
+    warmup: int = 10
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    grad_accum: int = 1
+    grad_checkpoint: bool = False
+    save_every: int = 0
+    eval_every: int = 0
+    progress: bool = True
+
+    def __post_init__(self):
+        for name in ("steps", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup", "save_every", "eval_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be positive, got {self.lr}")
+
+
+def learning_rate_schedule(lr: float, warmup: int, steps: int) -> Callable:
+    """Learning rate of update k = 0 .. steps-1: lr * (k + 1) / warmup while k < warmup, then
+    lr * (steps - k) / (steps - warmup) (linear decay; the last update uses lr / (steps - warmup))."""
+    warmup = min(warmup, steps - 1)
+    decay = optim.linear_schedule(lr, 0.0, max(steps - warmup, 1))
+    if warmup <= 1:
+        return optim.join_schedules([lambda k: lr, decay], [1]) if warmup == 1 else decay
+    return optim.join_schedules([optim.linear_schedule(lr / warmup, lr, warmup - 1), decay], [warmup])
+
+
+def make_optimizer(config: TrainConfig) -> optim.Optimizer:
+    return optim.AdamW(learning_rate=learning_rate_schedule(config.lr, config.warmup, config.steps),
+                       weight_decay=config.weight_decay)
+
+
+def masked_loss(model: nn.Module, inputs: mx.array, targets: mx.array, mask: mx.array) -> mx.array:
+    """Mean cross-entropy over the tokens with mask 1 (call inside `use_positions`)."""
+    logits = model(inputs).astype(mx.float32)
+    ce = nn.losses.cross_entropy(logits, targets) * mask
+    return ce.sum() / mx.maximum(mask.sum(), 1.0)
+
+
+def evaluate(model: nn.Module, batches: Iterable) -> float:
+    """Token-weighted mean masked loss over `batches` (each evaluated at its own position ids)."""
+    total, count = 0.0, 0.0
+    for batch in batches:
+        mask = mx.array(batch.mask)
+        with use_positions(model, batch.positions):
+            loss = masked_loss(model, mx.array(batch.inputs), mx.array(batch.targets), mask)
+        n = float(mask.sum().item())
+        total += float(loss.item()) * n
+        count += n
+    return total / max(count, 1.0)
+
+
+class _SignalFlag:
+    """Records SIGINT/SIGTERM instead of dying, so the loop can save first; restores handlers on exit."""
+
+    def __init__(self):
+        self.signum = None
+        self._old = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: signals cannot be caught here
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+
+    def __exit__(self, *exc):
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+
+def _memory(gb: float) -> str:
+    return f"{gb:.2f}G" if gb >= 1 else f"{gb * 1024:.0f}M"
+
+
+class _Progress:
+    """tqdm bar (step, loss, tok/s, peak memory, ETA) or nothing."""
+
+    def __init__(self, enabled: bool, total: int, initial: int):
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
+
+    def update(self, record: dict):
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                                 peak=_memory(record["peak_memory_gb"]), refresh=False)
+            self.bar.update(1)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def train(model: nn.Module, stream, config: TrainConfig, run_dir, eval_batches: Callable | None = None,
+          resume: bool = False) -> dict:
+    """Train `model` (its trainable parameters) on batches from `stream` for `config.steps` updates.
+
+    `stream` is a `pose_mlx.data.ExampleStream` (iterable of batches, with state_dict/load_state_dict);
+    `run_dir` receives `checkpoint/` and `log.jsonl` (one JSON record per step: step, loss, lr,
+    grad_norm, tokens, tokens_per_s, peak_memory_gb, seconds, and eval_loss when evaluated).
+    `eval_batches()` returns a fresh iterable of held-out batches. Returns the last step's record.
+    """
+    run_dir = Path(run_dir)
+    ckpt_dir = run_dir / "checkpoint"
+    log_path = run_dir / "log.jsonl"
+    optimizer = make_optimizer(config)
+    start, last = 0, {}
+    if resume and read_state(ckpt_dir) is not None:
+        record = load_checkpoint(ckpt_dir, model, optimizer)
+        stream.load_state_dict(record["data"])
+        start, last = record["step"], record["metrics"]
+        _truncate_log(log_path, start)
+    elif log_path.exists():
+        log_path.unlink()
+    saved_step = start if start else None
+
+    step_fn = nn.value_and_grad(model, masked_loss)
+    restore_call = _enable_grad_checkpoint(model) if config.grad_checkpoint else None
+    batches = iter(stream)
+    bar = _Progress(config.progress, config.steps, start)
+    mx.reset_peak_memory()
+    try:
+        with _SignalFlag() as flag, open(log_path, "a") as log:
+            for step in range(start + 1, config.steps + 1):
+                t0 = time.perf_counter()
+                loss, grad_norm, tokens = _update(model, optimizer, step_fn, batches, config)
+                seconds = time.perf_counter() - t0
+                if not math.isfinite(loss):
+                    raise NonFiniteLoss(step, saved_step)
+                last = {"step": step, "loss": loss, "lr": float(optimizer.learning_rate.item()),
+                        "grad_norm": grad_norm, "tokens": tokens, "tokens_per_s": tokens / max(seconds, 1e-9),
+                        "peak_memory_gb": mx.get_peak_memory() / 2**30, "seconds": seconds}
+                if eval_batches is not None and config.eval_every and (step % config.eval_every == 0
+                                                                        or step == config.steps):
+                    last["eval_loss"] = evaluate(model, eval_batches())
+                log.write(json.dumps(last) + "\n")
+                log.flush()
+                bar.update(last)
+                stop = flag.signum is not None
+                if stop or step == config.steps or (config.save_every and step % config.save_every == 0):
+                    save_checkpoint(ckpt_dir, step, model, optimizer, stream.state_dict(), metrics=last)
+                    saved_step = step
+                if stop:
+                    raise Interrupted(flag.signum, step)
+    finally:
+        bar.close()
+        if restore_call is not None:
+            restore_call()
+    return last
+
+
+def _update(model, optimizer, step_fn, batches, config: TrainConfig) -> tuple[float, float, int]:
+    """One optimizer update over `grad_accum` micro-batches; returns (mean loss, grad norm, tokens)."""
+    grads, losses, tokens = None, [], 0
+    for _ in range(config.grad_accum):
+        batch = next(batches)
+        with use_positions(model, batch.positions):
+            loss, g = step_fn(model, mx.array(batch.inputs), mx.array(batch.targets), mx.array(batch.mask))
+            mx.eval(loss, g)
+        grads = g if grads is None else tree_map(mx.add, grads, g)
+        losses.append(loss)
+        tokens += int(batch.mask.sum())
+    if config.grad_accum > 1:
+        grads = tree_map(lambda x: x / config.grad_accum, grads)
+    grads, norm = optim.clip_grad_norm(grads, config.max_grad_norm)
+    optimizer.update(model, grads)
+    mean_loss = mx.mean(mx.stack(losses))
+    mx.eval(model.parameters(), optimizer.state, mean_loss, norm)
+    return float(mean_loss.item()), float(norm.item()), tokens
+
+
+def _enable_grad_checkpoint(model) -> Callable:
+    """Checkpoint every transformer block (mlx-lm patches the block class); returns an undo function."""
+    from mlx_lm.tuner.trainer import grad_checkpoint
+
+    layers = getattr(model, "layers", None)
+    if not layers:
+        raise ValueError("grad_checkpoint: the model has no .layers to checkpoint")
+    cls = type(layers[0])
+    original = cls.__call__
+    grad_checkpoint(layers[0])
+
+    def restore():
+        cls.__call__ = original
+
+    return restore
+
+
+def _truncate_log(path: Path, step: int) -> None:
+    """Drop log records after `step` (written after the last checkpoint by a killed run)."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+__all__ = ["Interrupted", "NonFiniteLoss", "TrainConfig", "evaluate", "learning_rate_schedule", "make_optimizer",
+           "masked_loss", "train"]

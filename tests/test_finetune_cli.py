@@ -1,0 +1,176 @@
+"""End-to-end tests of `python -m pose_mlx.finetune` (in-process through `main(argv)`) on a tiny model."""
+
+import pose_mlx  # noqa: F401  (fast BLAS before mlx)
+
+import json
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm import generate, load
+
+from _finetune_helpers import ORIGINAL, read_log, text_dir, tiny_model, with_config  # noqa: F401
+from pose_mlx.finetune import ALIASES, main
+
+FAST = ["--window", "16", "--steps", "4", "--lr", "1e-3", "--warmup", "1", "--no-progress"]
+
+
+def run_cli(capsys, *argv):
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.err
+
+
+def _logits(model, ids):
+    return np.array(model(mx.array([ids])).astype(mx.float32))
+
+
+def test_end_to_end_8x_lora(tiny_model, text_dir, tmp_path, capsys):
+    """Train 4 LoRA steps at 8x; the output is a plain mlx-lm folder that generates and knows its schedule."""
+    out = tmp_path / "out"
+    code, err = run_cli(capsys, "--model", tiny_model, "--target", "8x", "--data", text_dir, "--output", out,
+                        "--cache-dir", tmp_path / "cache", *FAST)
+    assert code == 0, err
+    assert not (tmp_path / "out.partial").exists()
+    config = json.loads((out / "config.json").read_text())
+    assert config["max_position_embeddings"] == 8 * ORIGINAL
+    assert config["rope_scaling"]["factor"] == 8.0
+    assert config["rope_scaling"]["original_max_position_embeddings"] == ORIGINAL
+    record = json.loads((out / "pose_mlx.json").read_text())
+    assert (record["Lc"], record["Lt"], record["method"], record["steps"]) == (16, 256, "pose", 4)
+    assert record["schedule"]["method"] == "linear" and record["data_fingerprint"]
+    log = read_log(out / "train_log.jsonl")
+    assert [r["step"] for r in log] == [1, 2, 3, 4]
+    assert all(math.isfinite(r["loss"]) and r["tokens"] == 15 and r["peak_memory_gb"] > 0 for r in log)
+    assert record["final_loss"] == log[-1]["loss"]
+    model, tokenizer = load(str(out))
+    assert not any("lora" in k for k in dict(model.parameters()))
+    text = generate(model, tokenizer, "def main(", max_tokens=8)
+    assert isinstance(text, str)
+    # a long prompt (beyond the original window) runs through the KV cache
+    ids = tokenizer.encode("x = 1\n" * 60)[: 3 * ORIGINAL]
+    assert np.isfinite(_logits(model, ids)).all()
+
+
+def test_lora_changes_weights_and_no_fuse_keeps_adapters(tiny_model, text_dir, tmp_path, capsys):
+    """--no-fuse: base weights untouched + adapters; base + adapters equals the fused export (<= 1e-4)."""
+    common = ["--model", tiny_model, "--target", "4x", "--data", text_dir, "--cache-dir", tmp_path / "c", *FAST]
+    assert run_cli(capsys, *common, "--output", tmp_path / "fused")[0] == 0
+    assert run_cli(capsys, *common, "--output", tmp_path / "split", "--no-fuse")[0] == 0
+    assert (tmp_path / "split" / "adapters.safetensors").is_file()
+    base = mx.load(str(tiny_model / "model.safetensors"))
+    split = mx.load(str(tmp_path / "split" / "model.safetensors"))
+    fused = mx.load(str(tmp_path / "fused" / "model.safetensors"))
+    assert split.keys() == base.keys() == fused.keys()
+    for k in base:
+        np.testing.assert_array_equal(np.array(split[k]), np.array(base[k]))
+    assert any(not np.allclose(np.array(fused[k]), np.array(base[k])) for k in base)
+    ids = list(range(3, 3 + 3 * ORIGINAL))
+    m_fused, _ = load(str(tmp_path / "fused"))
+    m_split, _ = load(str(tmp_path / "split"), adapter_path=str(tmp_path / "split"))
+    np.testing.assert_allclose(_logits(m_split, ids), _logits(m_fused, ids), atol=1e-4)
+
+
+def test_full_finetune_and_grad_options(tiny_model, text_dir, tmp_path, capsys):
+    """--full with gradient checkpointing, accumulation and batch 2: trains all weights, 2*2*15 targets/step."""
+    out = tmp_path / "full"
+    code, err = run_cli(capsys, "--model", tiny_model, "--target", "64", "--data", text_dir, "--output", out,
+                        "--cache-dir", tmp_path / "c", "--full", "--grad-checkpoint", "--grad-accum", "2",
+                        "--batch-size", "2", "--method", "randpos", *FAST)
+    assert code == 0, err
+    log = read_log(out / "train_log.jsonl")
+    assert all(r["tokens"] == 2 * 2 * 15 for r in log)
+    base = mx.load(str(tiny_model / "model.safetensors"))
+    new = mx.load(str(out / "model.safetensors"))
+    changed = [k for k in base if not np.allclose(np.array(new[k]), np.array(base[k]))]
+    assert any("norm" in k for k in changed) and any("embed" in k for k in changed)
+
+
+def test_full_length_baseline(tiny_model, text_dir, tmp_path, capsys):
+    """--method full trains on contiguous target-length sequences (64 tokens -> 63 targets per step)."""
+    out = tmp_path / "fl"
+    code, err = run_cli(capsys, "--model", tiny_model, "--target", "64", "--data", text_dir, "--output", out,
+                        "--cache-dir", tmp_path / "c", "--method", "full", *FAST)
+    assert code == 0, err
+    assert [r["tokens"] for r in read_log(out / "train_log.jsonl")] == [63] * 4
+    assert json.loads((out / "pose_mlx.json").read_text())["method"] == "full"
+
+
+def test_method_none_exports_without_data(tiny_model, tmp_path, capsys):
+    """PI-only: no --data, no training; mlx_lm.load gives the extended model exactly."""
+    out = tmp_path / "pi"
+    code, err = run_cli(capsys, "--model", tiny_model, "--target", "8x", "--method", "none", "--output", out)
+    assert code == 0, err
+    record = json.loads((out / "pose_mlx.json").read_text())
+    assert record["steps"] == 0 and record["mlx_lm_exact"] is True
+    base = mx.load(str(tiny_model / "model.safetensors"))
+    new = mx.load(str(out / "model.safetensors"))
+    for k in base:
+        np.testing.assert_array_equal(np.array(new[k]), np.array(base[k]))
+
+
+def test_yaml_config_and_flags_win(tiny_model, text_dir, tmp_path, capsys):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"model: {tiny_model}\ntarget: 4x\ndata: {text_dir}\nsteps: 3\nwindow: 16\nlr: 1.0e-3\n"
+                   f"warmup: 1\nno-progress: true\ncache_dir: {tmp_path / 'c'}\nlora: true\n"
+                   "scaling: yarn\nscaling_params: {beta_fast: 16}\n")
+    out = tmp_path / "y"
+    assert run_cli(capsys, "--config", cfg, "--steps", "2", "--output", out)[0] == 0
+    assert len(read_log(out / "train_log.jsonl")) == 2
+    record = json.loads((out / "pose_mlx.json").read_text())
+    assert record["schedule"]["method"] == "yarn" and record["schedule"]["params"] == {"beta_fast": 16}
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("stepz: 3\n")
+    code, err = run_cli(capsys, "--config", bad, "--model", tiny_model, "--target", "2x")
+    assert code == 1 and "stepz" in err
+
+
+def test_help_lists_aliases(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for alias, (repo, window) in ALIASES.items():
+        assert alias in out and repo in out
+    for flag in ("--target", "--scaling-param", "--grad-checkpoint", "--no-fuse", "--eval-every", "--resume"):
+        assert flag in out
+    assert {"llama-7b", "llama-2-7b", "llama-2-13b", "mistral-7b", "tinyllama", "qwen2.5-0.5b"} <= set(ALIASES)
+
+
+def test_eval_every_logs_heldout_loss(tiny_model, text_dir, tmp_path, capsys):
+    out = tmp_path / "ev"
+    code, err = run_cli(capsys, "--model", tiny_model, "--target", "4x", "--data", text_dir, "--output", out,
+                        "--cache-dir", tmp_path / "c", "--eval-every", "2", "--heldout", "0.25",
+                        "--eval-batches", "2", *FAST)
+    assert code == 0, err
+    log = read_log(out / "train_log.jsonl")
+    assert [("eval_loss" in r) for r in log] == [False, True, False, True]
+    assert all(math.isfinite(r["eval_loss"]) for r in log if "eval_loss" in r)
+
+
+def test_qlora_on_a_4bit_base(tiny_model, text_dir, tmp_path, capsys):
+    """LoRA trains on a quantized base; fused output stays 4-bit, --no-fuse output = base + adapters."""
+    import shutil
+
+    from mlx_lm.utils import quantize_model, save_config, save_model
+
+    model, _, config = load(str(tiny_model), return_config=True)
+    model, config = quantize_model(model, config, 32, 4)
+    qdir = tmp_path / "q4"
+    qdir.mkdir()
+    save_model(qdir, model)
+    save_config(config, qdir / "config.json")
+    for f in tiny_model.glob("tokenizer*"):
+        shutil.copyfile(f, qdir / f.name)
+    common = ["--model", qdir, "--target", "4x", "--data", text_dir, "--cache-dir", tmp_path / "c", *FAST]
+    assert run_cli(capsys, *common, "--output", tmp_path / "fused")[0] == 0
+    assert run_cli(capsys, *common, "--output", tmp_path / "split", "--no-fuse")[0] == 0
+    fused, _ = load(str(tmp_path / "fused"))
+    assert type(fused.model.layers[0].self_attn.q_proj).__name__ == "QuantizedLinear"
+    split, _ = load(str(tmp_path / "split"), adapter_path=str(tmp_path / "split"))
+    base, _ = load(str(qdir))
+    ids = list(range(3, 3 + 2 * ORIGINAL))
+    trained = _logits(split, ids)
+    assert np.abs(trained - _logits(base, ids)).max() > 1e-3  # the adapters learned something
+    assert np.isfinite(_logits(fused, ids)).all()

@@ -1,0 +1,139 @@
+"""Bad input to the fine-tuning CLI: one `error:` line, exit code 1, no traceback, nothing half-written."""
+
+import pose_mlx  # noqa: F401  (fast BLAS before mlx)
+
+import json
+
+import pytest
+
+from _finetune_helpers import ORIGINAL, read_log, text_dir, tiny_model, with_config  # noqa: F401
+from pose_mlx import toy
+from pose_mlx.finetune import main
+
+FAST = ["--window", "16", "--steps", "3", "--lr", "1e-3", "--warmup", "1", "--no-progress"]
+
+
+def fails(capsys, *argv, match: str) -> str:
+    code = main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 1, err
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert match in errors[0], errors[0]
+    return errors[0]
+
+
+@pytest.mark.parametrize("target, match", [(str(ORIGINAL), "must be larger"), ("16", "must be larger"),
+                                           ("32q", "is not a length"), ("1x", "must be larger")])
+def test_bad_target(tiny_model, tmp_path, capsys, target, match):
+    fails(capsys, "--model", tiny_model, "--target", target, "--method", "none", "--output", tmp_path / "o",
+          match=match)
+    assert not (tmp_path / "o").exists()
+
+
+def test_unknown_alias_and_missing_folder(tmp_path, capsys):
+    fails(capsys, "--model", "llama-99b", "--target", "8x", match="not a known alias")
+    fails(capsys, "--model", tmp_path / "nowhere", "--target", "8x", match="no such folder")
+    (tmp_path / "empty").mkdir()
+    fails(capsys, "--model", tmp_path / "empty", "--target", "8x", match="no config.json")
+
+
+def test_hub_unreachable_is_one_line(tmp_path, capsys, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    fails(capsys, "--model", "nobody-here/no-model", "--target", "8x", match="Hugging Face hub")
+
+
+def test_model_without_rope(tiny_model, tmp_path, capsys):
+    """gpt2 uses learned absolute positions: the ValueError from extend is reported as one line."""
+    tok = toy.copy_tokenizer(tiny_model, tmp_path / "tok")
+    config = {"model_type": "gpt2", "n_embd": 16, "n_head": 2, "n_layer": 1, "n_positions": 64, "n_ctx": 64,
+              "vocab_size": 512, "layer_norm_epsilon": 1e-5}
+    folder = toy.save_model_folder(toy.build_model(config), config, tok, tmp_path / "gpt2")
+    fails(capsys, "--model", folder, "--target", "256", "--original", "64", "--method", "none", "--output", tmp_path / "o",
+          match="no RoPE")
+    assert not (tmp_path / "o").exists()
+
+
+def test_original_unknown(tiny_model, tmp_path, capsys):
+    folder = with_config(tiny_model, tmp_path / "m", max_position_embeddings=None)
+    fails(capsys, "--model", folder, "--target", "8x", match="--original")
+    # with the flag it works
+    assert main([f"--model={folder}", "--target=8x", "--original=32", "--method=none",
+                 f"--output={tmp_path / 'o'}"]) == 0
+
+
+def test_existing_output_left_untouched(tiny_model, text_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    fails(capsys, "--model", tiny_model, "--target", "4x", "--data", text_dir, "--output", out, *FAST,
+          match="exists")
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    # --overwrite replaces it
+    assert main([f"--model={tiny_model}", "--target=4x", "--method=none", f"--output={out}", "--overwrite"]) == 0
+    assert not (out / "keep.txt").exists() and (out / "config.json").is_file()
+
+
+def test_no_long_enough_document(tiny_model, text_dir, tmp_path, capsys):
+    fails(capsys, "--model", tiny_model, "--target", "4x", "--data", text_dir, "--output", tmp_path / "o",
+          "--cache-dir", tmp_path / "c", "--min-length", "10000000", *FAST, match="10000000")
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
+
+
+def test_nothing_readable(tiny_model, tmp_path, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.txt").write_bytes(b"")
+    (data / "b.txt").write_bytes(bytes(range(256)) * 10)
+    fails(capsys, "--model", tiny_model, "--target", "4x", "--data", data, "--output", tmp_path / "o",
+          "--cache-dir", tmp_path / "c", *FAST, match="")
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
+
+
+def test_non_finite_loss_stops_and_keeps_checkpoint(tiny_model, text_dir, tmp_path, capsys):
+    """lr 1e30 makes the second loss inf/NaN: the error names that step; step 1's checkpoint stays."""
+    out = tmp_path / "o"
+    line = fails(capsys, "--model", tiny_model, "--target", "4x", "--data", text_dir, "--output", out,
+                 "--cache-dir", tmp_path / "c", "--save-every", "1", "--window", "16", "--steps", "5",
+                 "--lr", "1e30", "--warmup", "0", "--no-progress", match="not finite")
+    log = read_log(out.with_name("o.partial") / "log.jsonl")
+    bad_step = len(log) + 1
+    assert f"step {bad_step}" in line and f"checkpoint (step {bad_step - 1})" in line
+    state = json.loads((tmp_path / "o.partial" / "checkpoint" / "state.json").read_text())
+    assert state["step"] == bad_step - 1
+    assert not out.exists()
+
+
+def test_resume_without_partial_and_partial_without_resume(tiny_model, text_dir, tmp_path, capsys):
+    out = tmp_path / "o"
+    fails(capsys, "--model", tiny_model, "--target", "4x", "--data", text_dir, "--output", out, "--resume",
+          *FAST, match="no unfinished run")
+    (tmp_path / "o.partial").mkdir()
+    fails(capsys, "--model", tiny_model, "--target", "4x", "--data", text_dir, "--output", out,
+          *FAST, match="--resume")
+
+
+def test_warnings_double_scaling_and_factor(tiny_model, tmp_path, capsys):
+    folder = with_config(tiny_model, tmp_path / "m", rope_scaling={"rope_type": "linear", "factor": 2.0})
+    code = main([f"--model={folder}", "--target=8x", "--original=32", "--method=none",
+                 f"--output={tmp_path / 'o'}", "--scaling-param", "factor=4"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert any("rope_scaling" in w and "replaced" in w for w in warnings)
+    assert any("factor 4" in w and "8" in w for w in warnings)
+
+
+def test_resume_with_changed_settings_is_refused(tiny_model, text_dir, tmp_path, capsys):
+    out = tmp_path / "o"
+    args = ["--model", tiny_model, "--target", "4x", "--data", text_dir, "--output", out, "--cache-dir",
+            tmp_path / "c", "--save-every", "1", "--window", "16", "--steps", "2", "--lr", "1e30", "--warmup", "0",
+            "--no-progress"]
+    assert main([str(a) for a in args]) == 1  # stops at a non-finite loss, leaving a resumable run
+    capsys.readouterr()
+    args[args.index("--lr") + 1] = "1e-3"
+    fails(capsys, *args, "--resume", match="--lr")

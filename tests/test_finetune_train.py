@@ -1,0 +1,127 @@
+"""Unit tests of the fine-tuning pieces: target parsing, LR schedule, masked loss, checkpoints."""
+
+import pose_mlx  # noqa: F401  (fast BLAS before mlx)
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_map
+
+from pose_mlx.checkpoint import load_checkpoint, read_state, save_checkpoint
+from pose_mlx.finetune import UsageError, parse_param, parse_target
+from pose_mlx.train import TrainConfig, learning_rate_schedule, make_optimizer, masked_loss
+
+
+@pytest.mark.parametrize("text, original, expected", [
+    ("32768", None, 32768), ("32k", None, 32768), ("32K", None, 32768), ("1.5k", None, 1536),
+    ("8x", 4096, 32768), ("2.5x", 1000, 2500), (" 4k ", None, 4096),
+])
+def test_parse_target(text, original, expected):
+    assert parse_target(text, original) == expected
+
+
+@pytest.mark.parametrize("text", ["32q", "", "k", "-4k", "1.3k", "8x8", "0"])
+def test_parse_target_rejects(text):
+    with pytest.raises(UsageError, match="--target"):
+        parse_target(text, 4096)
+
+
+def test_parse_target_relative_needs_original():
+    with pytest.raises(UsageError, match="--original"):
+        parse_target("8x", None)
+
+
+def test_parse_param():
+    assert parse_param("beta_fast=32") == ("beta_fast", 32)
+    assert parse_param("blend=wavelength") == ("blend", "wavelength")
+    assert parse_param("long_factor=[1, 2.5]") == ("long_factor", [1, 2.5])
+    with pytest.raises(UsageError):
+        parse_param("novalue")
+
+
+@pytest.mark.parametrize("lr, warmup, steps", [(1e-3, 4, 12), (2e-5, 10, 1000), (1.0, 0, 5), (1.0, 1, 5)])
+def test_learning_rate_schedule(lr, warmup, steps):
+    """Update k gets lr*(k+1)/warmup during warm-up, then lr*(steps-k)/(steps-warmup): never 0, peak lr."""
+    schedule = learning_rate_schedule(lr, warmup, steps)
+    for k in range(steps):
+        expected = lr * (k + 1) / warmup if k < warmup else lr * (steps - k) / (steps - warmup)
+        assert math.isclose(float(schedule(mx.array(k))), expected, rel_tol=1e-4, abs_tol=1e-6 * lr), k
+    assert float(schedule(mx.array(steps - 1))) > 0
+
+
+def test_masked_loss_matches_numpy():
+    """Mean token cross-entropy over mask==1 positions, computed independently with NumPy log-softmax."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(2, 5, 7)).astype(np.float32)
+
+    class Fixed(nn.Module):
+        def __call__(self, x):
+            return mx.array(logits)
+
+    targets = rng.integers(0, 7, size=(2, 5))
+    mask = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=np.float32)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    nll = -np.take_along_axis(logp, targets[..., None], -1)[..., 0]
+    expected = (nll * mask).sum() / mask.sum()
+    got = masked_loss(Fixed(), mx.zeros((2, 5), mx.int32), mx.array(targets), mx.array(mask))
+    assert abs(got.item() - expected) < 1e-5
+
+
+def test_train_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="steps"):
+        TrainConfig(steps=0)
+    with pytest.raises(ValueError, match="lr"):
+        TrainConfig(lr=0.0)
+
+
+def test_checkpoint_roundtrip_restores_weights_and_optimizer(tmp_path):
+    """Save after two updates, perturb everything, load: weights, Adam moments, step return."""
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    from pose_mlx.toy import build_model, model_config
+
+    model = build_model(model_config(64, hidden_size=16, num_layers=2, num_heads=2), seed=0)
+    model.freeze()
+    linear_to_lora_layers(model, 1, {"rank": 2, "scale": 1.0, "dropout": 0.0})  # only the last block
+    opt = make_optimizer(TrainConfig(steps=10, lr=1e-2, warmup=0))
+    grad_fn = nn.value_and_grad(model, lambda m, x: m(x).astype(mx.float32).square().mean())
+    for _ in range(2):
+        _, g = grad_fn(model, mx.array([[1, 2, 3]]))
+        opt.update(model, g)
+    mx.eval(model.parameters(), opt.state)
+    weights = {k: np.array(v) for k, v in tree_flatten(model.trainable_parameters())}
+    state = {k: np.array(v) for k, v in tree_flatten(opt.state)}
+    save_checkpoint(tmp_path, 2, model, opt, {"position": 7}, metrics={"loss": 1.5})
+
+    model.update(tree_map(lambda p: p + 1.0, model.trainable_parameters()))
+    fresh = make_optimizer(TrainConfig(steps=10, lr=1e-2, warmup=0))
+    record = load_checkpoint(tmp_path, model, fresh)
+    assert record["step"] == 2 and record["data"] == {"position": 7} and record["metrics"]["loss"] == 1.5
+    for k, v in tree_flatten(model.trainable_parameters()):
+        np.testing.assert_array_equal(np.array(v), weights[k])
+    restored = {k: np.array(v) for k, v in tree_flatten(fresh.state)}
+    assert restored.keys() == state.keys()
+    for k in state:
+        np.testing.assert_array_equal(restored[k], state[k])
+    # one more update from the restored optimizer continues the same step count
+    _, g = grad_fn(model, mx.array([[1, 2, 3]]))
+    fresh.update(model, g)
+    assert int(fresh.state["step"].item()) == 3
+
+
+def test_checkpoint_is_replaced_whole(tmp_path):
+    """A second save leaves exactly one weights/optimizer pair, the one state.json names."""
+    from pose_mlx.toy import build_model, model_config
+
+    model = build_model(model_config(64, hidden_size=16, num_layers=1, num_heads=2), seed=0)
+    opt = make_optimizer(TrainConfig(steps=10, lr=1e-2, warmup=0))
+    opt.init(model.trainable_parameters())
+    save_checkpoint(tmp_path, 1, model, opt, {})
+    save_checkpoint(tmp_path, 2, model, opt, {})
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["optimizer-2.safetensors", "state.json", "weights-2.safetensors"]
+    assert read_state(tmp_path)["step"] == 2
+    assert read_state(tmp_path / "missing") is None
