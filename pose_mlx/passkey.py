@@ -1,0 +1,266 @@
+"""Passkey retrieval (Mohtashami & Jaggi, 2023) at several context lengths: `python -m pose_mlx.passkey`.
+
+A prompt is the task line, filler sentences, the needle line "The pass key is K. Remember it. K is the pass
+key." at a relative depth, more filler, and "What is the pass key? The pass key is". The filler is counted in
+the model's own tokens, so each prompt (BOS included) has the requested length up to one filler sentence.
+The key is a uniform random 5-digit number; the answer is at most 10 greedily decoded tokens and is correct
+when its first integer equals the key. Prompts are evaluated through one KV cache: consecutive trials share
+their common prefix (the task line and the filler before the shallower needle), which is kept, not recomputed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import longctx
+from .longctx import EvalError
+
+import mlx.core as mx
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+
+TASK = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
+        "I will quiz you about the important information there.")
+FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
+NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
+QUESTION = "What is the pass key? The pass key is"
+MAX_NEW_TOKENS = 10
+
+
+def prompt_text(n_sentences: int, depth: float, key: int) -> str:
+    """The prompt with `n_sentences` filler sentences, round(depth * n) of them before the needle."""
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth={depth} must be in [0, 1]")
+    before = int(round(depth * n_sentences))
+    filler = [FILLER[i % len(FILLER)] for i in range(n_sentences)]
+    parts = [TASK, " ".join(filler[:before]), NEEDLE.format(key=key), " ".join(filler[before:]), QUESTION]
+    return "\n".join(p for p in parts if p)
+
+
+def prompt_tokens(tokenizer, bos: int, n_sentences: int, depth: float, key: int) -> list[int]:
+    return [bos] + longctx.encode(tokenizer, prompt_text(n_sentences, depth, key))
+
+
+def build_prompt(tokenizer, bos: int, length: int, depth: float, key: int) -> list[int]:
+    """Token ids (BOS first) of the prompt with the most filler sentences that keeps it <= `length` tokens."""
+    def count(n: int) -> int:
+        return len(prompt_tokens(tokenizer, bos, n, depth, key))
+
+    empty = count(0)
+    if empty > length:
+        raise EvalError(f"--lengths: {length} tokens is shorter than the passkey template alone ({empty} tokens)")
+    per_sentence = max((count(50) - empty) / 50, 1e-3)
+    n = max(0, int((length - empty) / per_sentence))
+    while n > 0 and count(n) > length:
+        n -= 1
+    while count(n + 1) <= length:
+        n += 1
+    return prompt_tokens(tokenizer, bos, n, depth, key)
+
+
+def parse_answer(text: str) -> int | None:
+    """The first run of digits in `text` as an integer ("1234 5" -> 1234), or None when there is none."""
+    match = re.search(r"\d+", text)
+    return int(match.group()) if match else None
+
+
+class PrefixCachedGenerator:
+    """Greedy decoding through one KV cache that keeps the longest prefix shared with the previous prompt."""
+
+    def __init__(self, model, chunk: int = longctx.DEFAULT_CHUNK, reuse: bool = True):
+        self.model, self.chunk = model, chunk
+        self.cache = make_prompt_cache(model)
+        self.reuse = reuse and can_trim_prompt_cache(self.cache)
+        self.cached: list[int] = []  # the tokens whose keys/values are in the cache
+        self.computed = 0  # prompt tokens actually fed through the model (for the reuse statistic)
+
+    def _keep(self, prompt: list[int]) -> int:
+        if not self.reuse:
+            return 0
+        limit = min(len(self.cached), len(prompt) - 1)  # feed at least one token to get logits
+        shared = 0
+        while shared < limit and self.cached[shared] == prompt[shared]:
+            shared += 1
+        return shared
+
+    def generate(self, prompt: list[int], max_new: int, stop: set[int]) -> list[int]:
+        keep = self._keep(prompt)
+        if self.reuse:
+            trim_prompt_cache(self.cache, len(self.cached) - keep)
+        else:
+            self.cache = make_prompt_cache(self.model)
+        logits = longctx.prefill(self.model, prompt[keep:], self.cache, self.chunk)
+        self.computed += len(prompt) - keep
+        self.cached = list(prompt)
+        out: list[int] = []
+        while len(out) < max_new:
+            token = int(mx.argmax(logits).item())
+            if token in stop:
+                break
+            out.append(token)
+            if len(out) == max_new:
+                break
+            logits = self.model(mx.array([[token]]), cache=self.cache)[0, -1]
+            self.cached.append(token)
+        return out
+
+
+@dataclass
+class Trial:
+    length: int
+    prompt_tokens: int
+    depth: float
+    key: int
+    answer: str
+    correct: bool
+
+
+def trial_plan(lengths: list[int], trials: int, depths: int | None, seed: int) -> list[tuple[int, float, int]]:
+    """(length, depth, key) for every trial; depths on a grid of `depths` points in [0, 1] or uniform."""
+    if trials < 1:
+        raise EvalError(f"--trials: {trials} must be >= 1")
+    if depths is not None and depths < 1:
+        raise EvalError(f"--depths: {depths} must be >= 1")
+    rng = np.random.default_rng(seed)
+    grid = np.linspace(0.0, 1.0, depths) if depths and depths > 1 else np.array([0.5]) if depths else None
+    plan = []
+    for length in lengths:
+        for i in range(trials):
+            depth = float(grid[i % len(grid)]) if grid is not None else float(rng.uniform())
+            plan.append((length, depth, int(rng.integers(10_000, 100_000))))
+    return plan
+
+
+def run_passkey(model, tokenizer, lengths: list[int], trials: int, depths: int | None = None, seed: int = 0,
+                chunk: int = longctx.DEFAULT_CHUNK, show_progress: bool = True,
+                reuse: bool = True) -> tuple[list[Trial], PrefixCachedGenerator]:
+    """Run every trial; within a length, trials go deepest needle first so prompts share long prefixes."""
+    from tqdm import tqdm
+
+    bos = longctx.bos_id(tokenizer)
+    stop = set(getattr(tokenizer, "eos_token_ids", None) or [])
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        stop.add(int(tokenizer.eos_token_id))
+    plan = sorted(trial_plan(lengths, trials, depths, seed), key=lambda t: (t[0], -t[1]))
+    generator = PrefixCachedGenerator(model, chunk, reuse)
+    results = []
+    for length, depth, key in tqdm(plan, desc="passkey", unit="trial", disable=not show_progress, file=sys.stderr):
+        prompt = build_prompt(tokenizer, bos, length, depth, key)
+        answer = tokenizer.decode(generator.generate(prompt, MAX_NEW_TOKENS, stop))
+        results.append(Trial(length, len(prompt), depth, key, answer, parse_answer(answer) == key))
+    return results, generator
+
+
+def accuracy_by_length(trials: list[Trial]) -> list[dict]:
+    lengths = sorted({t.length for t in trials})
+    out = []
+    for length in lengths:
+        hits = [t.correct for t in trials if t.length == length]
+        tokens = [t.prompt_tokens for t in trials if t.length == length]
+        out.append({"length": length, "accuracy": float(np.mean(hits)), "trials": len(hits),
+                    "prompt_tokens_min": min(tokens), "prompt_tokens_max": max(tokens)})
+    return out
+
+
+def depth_grid(trials: list[Trial], bins: int = 10) -> tuple[np.ndarray, list[str], list[int]]:
+    """Accuracy per (depth bin, length): rows = depths (grid values, or `bins` equal bins), NaN when empty."""
+    lengths = sorted({t.length for t in trials})
+    values = sorted({t.depth for t in trials})
+    if len(values) <= bins:  # a grid of depths: one row each
+        rows = values
+        row_of = {v: i for i, v in enumerate(values)}
+        labels = [f"{v:.0%}" for v in values]
+        index = [row_of[t.depth] for t in trials]
+    else:
+        rows = list(range(bins))
+        labels = [f"{i / bins:.0%}-{(i + 1) / bins:.0%}" for i in rows]
+        index = [min(int(t.depth * bins), bins - 1) for t in trials]
+    hits = np.zeros((len(rows), len(lengths)))
+    counts = np.zeros_like(hits)
+    for t, r in zip(trials, index):
+        c = lengths.index(t.length)
+        hits[r, c] += t.correct
+        counts[r, c] += 1
+    with np.errstate(invalid="ignore", divide="ignore"):
+        grid = np.where(counts > 0, hits / np.maximum(counts, 1), np.nan)
+    return grid, labels, lengths
+
+
+def format_table(accuracy: list[dict]) -> str:
+    lines = ["| length | prompt tokens | trials | accuracy |", "|---|---|---|---|"]
+    for a in accuracy:
+        lines.append(f"| {a['length']} | {a['prompt_tokens_min']}-{a['prompt_tokens_max']} | {a['trials']} | "
+                     f"{a['accuracy']:.2f} |")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m pose_mlx.passkey", description=__doc__.split("\n")[0])
+    longctx.add_model_arguments(parser)
+    parser.add_argument("--lengths", default=None, help="prompt lengths, e.g. 2k,4k,8192 (default: doubling from "
+                                                        "half the original window to the model's maximum)")
+    parser.add_argument("--trials", type=int, default=50, help="trials per length")
+    parser.add_argument("--depths", type=int, default=None,
+                        help="put the needle on a grid of this many depths in [0, 1] (default: uniform random)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", default=None,
+                        help="write JSON results here (and <stem>_accuracy.png, <stem>_heatmap.png next to it)")
+    parser.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+@longctx.cli_main("pose_mlx.passkey")
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.chunk < 1:
+        raise EvalError("--chunk must be >= 1")
+    lengths = longctx.parse_lengths(args.lengths) if args.lengths else None
+    info = longctx.load_eval_model(args.model, args.scaling, args.target, args.original)
+    if lengths is None:  # defaults: drop those too short for the template
+        template = len(prompt_tokens(info.tokenizer, longctx.bos_id(info.tokenizer), 0, 0.5, 99_999))
+        lengths = [n for n in longctx.resolve_lengths(None, info) if n >= template]
+        if not lengths:
+            raise EvalError(f"--lengths: the model's window {info.max_length} is shorter than the passkey "
+                            f"template ({template} tokens)")
+    estimate = longctx.check_memory(info.model, lengths, args.chunk, args.force)
+    build_prompt(info.tokenizer, longctx.bos_id(info.tokenizer), min(lengths), 0.5, 99_999)  # template fits?
+    print(f"model {info.path}: schedule {info.schedule}; original window {info.original_length}, "
+          f"max {info.max_length}; memory estimate {estimate.describe()}", file=sys.stderr)
+    trials, generator = run_passkey(info.model, info.tokenizer, lengths, args.trials, args.depths, args.seed,
+                                    args.chunk, not args.no_progress)
+    accuracy = accuracy_by_length(trials)
+    total = sum(t.prompt_tokens for t in trials)
+    print(f"passkey retrieval, {args.trials} trials per length, greedy answer of <= {MAX_NEW_TOKENS} tokens, "
+          f"correct = first integer equals the key ({generator.computed}/{total} prompt tokens computed, "
+          "the rest reused from the KV cache)")
+    print(format_table(accuracy))
+    if args.output:
+        out = Path(args.output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        grid, labels, grid_lengths = depth_grid(trials)
+        record = {"model": info.path, "schedule": info.schedule, "seed": args.seed, "lengths": lengths,
+                  "accuracy": accuracy, "depth_accuracy": {"depths": labels, "lengths": grid_lengths,
+                                                           "accuracy": np.where(np.isnan(grid), None, grid).tolist()},
+                  "trials": [asdict(t) for t in trials]}
+        out.write_text(json.dumps(record, indent=2) + "\n")
+        from .plots import heatmap, line_vs_length
+
+        name = Path(info.path).name
+        acc_png = line_vs_length(out.with_name(out.stem + "_accuracy.png"), lengths,
+                                 {name: [a["accuracy"] for a in accuracy]}, "accuracy",
+                                 "Passkey retrieval accuracy", ylim=(-0.05, 1.05),
+                                 mark=info.original_length)
+        heat_png = heatmap(out.with_name(out.stem + "_heatmap.png"), grid, labels, [str(n) for n in grid_lengths],
+                           "context length (tokens)", "needle depth", "Passkey accuracy by depth and length")
+        print(f"wrote {out}, {acc_png} and {heat_png}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""Sliding-window perplexity at several context lengths: `python -m pose_mlx.perplexity`.
+
+Windows (as in DESIGN.md, following the Position Interpolation / PoSE evaluations): a window of length W is
+BOS followed by W-1 document tokens; windows start every `stride` tokens (at most W-1, so no token is
+skipped); a window scores only the tokens that no earlier window scored, so every document token is scored
+exactly once, with at most W-1 tokens of context. The last window is moved back to end at the document's end
+(full context). The reported number is token-weighted: PPL = exp(sum of NLLs / number of scored tokens) over
+all documents, not a mean of per-document perplexities.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+from . import longctx
+from .data import read_documents  # a text file, a .jsonl file, a folder of them, or a hub dataset repo
+from .longctx import EvalError
+
+METRIC = "token-weighted perplexity: exp(total NLL / scored tokens), sliding windows of BOS + (W-1) tokens"
+
+
+@dataclass(frozen=True)
+class Window:
+    """Document tokens [start, stop) are the window's input after BOS; [score_from, stop) are scored."""
+
+    start: int
+    stop: int
+    score_from: int
+
+
+def window_plan(n_tokens: int, window: int, stride: int) -> list[Window]:
+    """Sliding windows over a document of `n_tokens` tokens for window length `window` (BOS included).
+
+    Every token 0..n-1 lies in exactly one [score_from, stop); each window holds at most window-1 tokens.
+    """
+    if window < 2:
+        raise ValueError(f"window={window} must be >= 2 (BOS + at least one token)")
+    if stride < 1:
+        raise ValueError(f"stride={stride} must be >= 1")
+    if n_tokens < 1:
+        raise ValueError(f"n_tokens={n_tokens} must be >= 1")
+    span, step = window - 1, min(stride, window - 1)
+    plan, start, scored = [], 0, 0
+    while scored < n_tokens:
+        stop = min(start + span, n_tokens)
+        if stop - start < span:
+            start = max(0, n_tokens - span)  # last window: end at the document's end, full context
+        plan.append(Window(start, stop, scored))
+        scored = stop
+        start += step
+    return plan
+
+
+def document_nll(model, tokens: Iterable[int], window: int, stride: int, bos: int,
+                 chunk: int = longctx.DEFAULT_CHUNK, progress=None) -> tuple[float, int]:
+    """(sum of NLLs, number of scored tokens) of one document under `window_plan`."""
+    tokens = np.asarray(list(tokens), dtype=np.int32)
+    total, count = 0.0, 0
+    for w in window_plan(tokens.size, window, stride):
+        ids = np.concatenate([[bos], tokens[w.start : w.stop]]).astype(np.int32)
+        nll = longctx.chunked_nll(model, ids, chunk)  # nll[j] scores tokens[w.start + j]
+        scored = nll[w.score_from - w.start :]
+        total += float(scored.sum())
+        count += scored.size
+        if progress is not None:
+            progress.update(w.stop - w.start + 1)
+    return total, count
+
+
+@dataclass
+class LengthResult:
+    length: int
+    ppl: float
+    tokens: int
+
+
+def perplexity(model, documents: list[list[int]], lengths: list[int], stride: int, bos: int,
+               chunk: int = longctx.DEFAULT_CHUNK, show_progress: bool = True) -> list[LengthResult]:
+    """Token-weighted perplexity of the tokenized `documents` at each window length."""
+    from tqdm import tqdm
+
+    results = []
+    for length in lengths:
+        work = sum(w.stop - w.start + 1 for d in documents for w in window_plan(len(d), length, stride))
+        with tqdm(total=work, unit="tok", desc=f"ppl @ {length}", disable=not show_progress,
+                  file=sys.stderr) as bar:
+            total, count = 0.0, 0
+            for doc in documents:
+                t, c = document_nll(model, doc, length, stride, bos, chunk, bar)
+                total, count = total + t, count + c
+        results.append(LengthResult(length, math.exp(total / count), count))
+    return results
+
+
+# ------------------------------------------------------------------------------------------------ data
+
+
+def load_documents(source, tokenizer, min_tokens: int, max_docs: int, truncate: int | None) -> list[list[int]]:
+    """The first `max_docs` documents with >= `min_tokens` tokens, each cut to `truncate` tokens if given."""
+    kept, longest = [], 0
+    for text in read_documents(source):
+        ids = longctx.encode(tokenizer, text)
+        longest = max(longest, len(ids))
+        if len(ids) >= min_tokens:
+            kept.append(ids[:truncate] if truncate else ids)
+            if len(kept) >= max_docs:
+                break
+    if not kept:
+        raise EvalError(f"--data: no document has at least {min_tokens} tokens (the longest has {longest}); "
+                        "lower --min-doc-tokens or the --lengths")
+    return kept
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+
+
+def format_table(name: str, results: list[LengthResult]) -> str:
+    """A Markdown table shaped like the PoSE paper's Table 1 (one row per model, one column per length)."""
+    head = "| model | " + " | ".join(str(r.length) for r in results) + " |"
+    rule = "|---|" + "---|" * len(results)
+    row = f"| {name} | " + " | ".join(f"{r.ppl:.2f}" for r in results) + " |"
+    count = "| scored tokens | " + " | ".join(str(r.tokens) for r in results) + " |"
+    return "\n".join([head, rule, row, count])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m pose_mlx.perplexity", description=__doc__.split("\n")[0])
+    longctx.add_model_arguments(parser)
+    parser.add_argument("--data", required=True, help="a text file, a .jsonl file (field 'text'), or a folder of .txt/.md/.py/.jsonl files")
+    parser.add_argument("--lengths", default=None, help="window lengths, e.g. 2k,4k,8192 (default: doubling "
+                                                        "from half the original window to the model's maximum)")
+    parser.add_argument("--stride", type=int, default=1024, help="tokens between window starts (capped at W-1)")
+    parser.add_argument("--docs", type=int, default=50, help="number of documents to evaluate")
+    parser.add_argument("--min-doc-tokens", type=int, default=None,
+                        help="skip shorter documents (default: the longest length - 1)")
+    parser.add_argument("--no-truncate", action="store_true",
+                        help="score whole documents (default: first longest-length - 1 tokens, so every length "
+                             "scores the same tokens)")
+    parser.add_argument("--output", default=None, help="write JSON results here (and a PNG next to it)")
+    parser.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+@longctx.cli_main("pose_mlx.perplexity")
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.stride < 1 or args.docs < 1 or args.chunk < 1:
+        raise EvalError("--stride, --docs and --chunk must be >= 1")
+    lengths = longctx.parse_lengths(args.lengths) if args.lengths else None
+    info = longctx.load_eval_model(args.model, args.scaling, args.target, args.original)
+    lengths = lengths or longctx.resolve_lengths(None, info)
+    estimate = longctx.check_memory(info.model, lengths, args.chunk, args.force)
+    min_tokens = args.min_doc_tokens if args.min_doc_tokens is not None else max(lengths) - 1
+    truncate = None if args.no_truncate else max(lengths) - 1
+    docs = load_documents(args.data, info.tokenizer, min_tokens, args.docs, truncate)
+    bos = longctx.bos_id(info.tokenizer)
+    print(f"model {info.path}: schedule {info.schedule}; original window {info.original_length}, "
+          f"max {info.max_length}; memory estimate {estimate.describe()}", file=sys.stderr)
+    results = perplexity(info.model, docs, lengths, args.stride, bos, args.chunk, not args.no_progress)
+    name = Path(info.path).name
+    print(f"{METRIC}; stride {args.stride}; {len(docs)} documents")
+    print(format_table(name, results))
+    if args.output:
+        out = Path(args.output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        record = {"model": info.path, "schedule": info.schedule, "metric": METRIC, "stride": args.stride,
+                  "documents": len(docs), "truncate": truncate, "results": [asdict(r) for r in results]}
+        out.write_text(json.dumps(record, indent=2) + "\n")
+        from .plots import line_vs_length
+
+        png = line_vs_length(out.with_suffix(".png"), lengths, {name: [r.ppl for r in results]},
+                             "perplexity (log scale)", "Sliding-window perplexity (token-weighted)", log_y=True,
+                             mark=info.original_length)
+        print(f"wrote {out} and {png}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

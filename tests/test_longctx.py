@@ -1,0 +1,130 @@
+"""Chunked prefill, memory estimates, length parsing and model loading of pose_mlx.longctx."""
+
+import numpy as np
+import pytest
+
+from pose_mlx import longctx
+
+import mlx.core as mx
+
+from conftest import build_model
+from _eval_helpers import make_eval_folder
+
+
+def test_parse_lengths_accepts_k_suffix_and_sorts():
+    assert longctx.parse_lengths("2k,4k,8192") == [2048, 4096, 8192]
+    assert longctx.parse_lengths(" 512 , 1K,512") == [512, 1024]
+
+
+@pytest.mark.parametrize("bad", ["", "2k,,4k", "abc", "2.5k", "-4", "1", "4m"])
+def test_parse_lengths_rejects_malformed(bad):
+    with pytest.raises(ValueError, match="--lengths"):
+        longctx.parse_lengths(bad)
+
+
+def test_default_lengths_double_from_half_the_original_window():
+    assert longctx.default_lengths(128, 1024) == [64, 128, 256, 512, 1024]
+    assert longctx.default_lengths(100, 300) == [50, 100, 200, 300]
+
+
+def _log_softmax(x):
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("chunk", [1, 7, 16, 50, 64])
+def test_chunked_prefill_matches_full_forward(family, chunk):
+    model = build_model(family)
+    tokens = np.random.default_rng(1).integers(0, 97, size=50).astype(np.int32)
+    full = np.array(model(mx.array(tokens)[None])[0].astype(mx.float32))
+    chunked = longctx.chunked_logits(model, tokens, chunk)
+    assert chunked.shape == full.shape
+    assert np.abs(chunked - full).max() <= 1e-4
+
+
+def test_chunked_nll_is_log_softmax_of_the_full_forward():
+    model = build_model("llama")
+    tokens = np.random.default_rng(2).integers(0, 97, size=40).astype(np.int32)
+    logp = _log_softmax(np.array(model(mx.array(tokens)[None])[0], dtype=np.float64))
+    expected = -logp[np.arange(39), tokens[1:]]
+    got = longctx.chunked_nll(model, tokens, chunk=9)
+    np.testing.assert_allclose(got, expected, atol=1e-4)
+
+
+def test_memory_estimate_follows_the_formula():
+    model = build_model("llama")  # 2 layers, 2 kv heads, head_dim 32/4 = 8, 4 heads, vocab 97, fp32
+    est = longctx.estimate_memory(model, length=1000, chunk=100)
+    n_params = sum(v.size for _, v in __import__("mlx.utils", fromlist=["x"]).tree_flatten(model.parameters()))
+    assert est.weights == 4 * n_params
+    assert est.kv_cache == 2 * 2 * 2 * 8 * 1000 * 4
+    assert est.attention == 100 * 1000 * 4 * 4
+    assert est.logits == 100 * 97 * 4
+    assert est.total == est.weights + est.kv_cache + est.attention + est.logits
+
+
+def test_check_memory_refuses_or_warns_above_ram(monkeypatch, capsys):
+    model = build_model("llama")
+    monkeypatch.setattr(longctx, "physical_memory", lambda: 10_000)
+    with pytest.raises(longctx.EvalError, match="GiB"):
+        longctx.check_memory(model, [64, 4096], chunk=64)
+    longctx.check_memory(model, [4096], chunk=64, force=True)
+    assert "warning" in capsys.readouterr().err
+
+
+def test_load_eval_model_reads_windows_from_config(tmp_path):
+    folder = make_eval_folder(tmp_path / "m", max_position_embeddings=96,
+                              rope_scaling={"type": "linear", "factor": 2.0, "original_max_position_embeddings": 48})
+    info = longctx.load_eval_model(folder)
+    assert (info.original_length, info.max_length) == (48, 96)
+
+
+def test_folder_without_tokenizer_is_a_clear_error(tmp_path):
+    folder = make_eval_folder(tmp_path / "m", tokenizer=False)
+    with pytest.raises(longctx.EvalError, match="no tokenizer files"):
+        longctx.load_eval_model(folder)
+
+
+def test_scaling_extends_a_raw_model_with_position_interpolation(tmp_path):
+    pytest.importorskip("pose_mlx.rope")
+    folder = make_eval_folder(tmp_path / "m", max_position_embeddings=64)
+    info = longctx.load_eval_model(folder, scaling="linear", target=256)
+    assert (info.original_length, info.max_length) == (64, 256)
+    ext = info.model.pose_extension
+    assert ext.method == "linear" and ext.factor == pytest.approx(4.0)
+
+
+def test_folder_with_saved_schedule_is_evaluated_with_it(tmp_path):
+    pytest.importorskip("pose_mlx.rope")
+    from pose_mlx.patch import save_extension
+
+    folder = make_eval_folder(tmp_path / "m", max_position_embeddings=64)
+    info = longctx.load_eval_model(folder, scaling="linear", target=256)  # reference: extended in memory
+    save_extension(info.model, folder)
+    saved = longctx.load_eval_model(folder)
+    assert (saved.original_length, saved.max_length) == (64, 256) and "pose_mlx.json" in saved.schedule
+    tokens = np.arange(1, 200, dtype=np.int32) % 150
+    np.testing.assert_allclose(longctx.chunked_logits(saved.model, tokens, 64),
+                               longctx.chunked_logits(info.model, tokens, 64), atol=1e-5)
+    with pytest.raises(longctx.EvalError, match="already extended"):
+        longctx.load_eval_model(folder, scaling="linear", target=512)
+
+
+def test_both_commands_run_on_a_folder_exported_by_finetune(tmp_path, capsys):
+    pytest.importorskip("pose_mlx.rope")
+    pytest.importorskip("pose_mlx.data")
+    from pose_mlx import finetune, passkey, perplexity
+
+    base = make_eval_folder(tmp_path / "base", max_position_embeddings=128)
+    out = tmp_path / "extended"
+    assert finetune.main(["--model", str(base), "--target", "4x", "--method", "none", "--output", str(out),
+                          "--no-progress"]) == 0
+    info = longctx.load_eval_model(out)
+    assert (info.original_length, info.max_length) == (128, 512)
+    data = tmp_path / "doc.txt"
+    data.write_text(" ".join(f"The sky is blue {i}." for i in range(400)))
+    assert perplexity.main(["--model", str(out), "--data", str(data), "--lengths", "128,512", "--stride", "64",
+                            "--no-progress"]) == 0
+    assert passkey.main(["--model", str(out), "--trials", "1", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "| 128 |" in printed and "| 512 |" in printed  # default passkey lengths: 64 is below the template

@@ -1,0 +1,143 @@
+"""Passkey retrieval: prompt sizing, answer parsing, greedy decoding with a shared KV cache, CLI."""
+
+import json
+
+import numpy as np
+import pytest
+
+from pose_mlx import longctx, passkey
+
+import mlx.core as mx
+
+from _eval_helpers import make_eval_folder
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("12345.", 12345), (" 12345", 12345), ("The pass key is 12345", 12345), ("1234 5", 1234),
+    ("no digits here", None), ("", None), ("key: 007 and 42", 7),
+])
+def test_parse_answer(text, expected):
+    assert passkey.parse_answer(text) == expected
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = make_eval_folder(tmp_path_factory.mktemp("pk") / "tiny", max_position_embeddings=256)
+    return folder, longctx.load_eval_model(folder)
+
+
+@pytest.mark.parametrize("length", [80, 131, 256, 1000])
+@pytest.mark.parametrize("depth", [0.0, 0.37, 1.0])
+def test_prompt_hits_its_target_length_within_one_sentence(tiny, length, depth):
+    tok = tiny[1].tokenizer
+    prompt = passkey.build_prompt(tok, 0, length, depth, 54321)
+    longest_sentence = max(len(longctx.encode(tok, " " + s)) for s in passkey.FILLER)
+    assert length - longest_sentence <= len(prompt) <= length
+    text = tok.decode(prompt[1:])
+    assert prompt[0] == 0
+    assert text.startswith(passkey.TASK) and text.endswith(passkey.QUESTION)
+    assert "The pass key is 54321. Remember it. 54321 is the pass key." in text
+    before, after = text.split("The pass key is 54321.")
+    n_before = sum(before.count(s) for s in passkey.FILLER)
+    n_after = sum(after.count(s) for s in passkey.FILLER)
+    assert abs(n_before - depth * (n_before + n_after)) <= 0.5 + 1e-9
+
+
+def test_too_short_length_is_an_error(tiny):
+    with pytest.raises(longctx.EvalError, match="shorter than the passkey template"):
+        passkey.build_prompt(tiny[1].tokenizer, 0, 20, 0.5, 12345)
+
+
+def test_greedy_generation_matches_manual_argmax_without_cache(tiny):
+    model, tok = tiny[1].model, tiny[1].tokenizer
+    prompt = passkey.build_prompt(tok, 0, 120, 0.5, 11111)
+    ids = list(prompt)
+    for _ in range(passkey.MAX_NEW_TOKENS):  # full forward each step, no KV cache
+        ids.append(int(np.argmax(np.array(model(mx.array(ids)[None])[0, -1]))))
+    gen = passkey.PrefixCachedGenerator(model, chunk=32)
+    assert gen.generate(prompt, passkey.MAX_NEW_TOKENS, stop=set()) == ids[len(prompt):]
+
+
+def test_prefix_reuse_gives_the_same_answers_with_less_work(tiny):
+    model, tok = tiny[1].model, tiny[1].tokenizer
+    kwargs = dict(lengths=[100, 200], trials=4, depths=None, seed=3, chunk=32, show_progress=False)
+    reused, g1 = passkey.run_passkey(model, tok, reuse=True, **kwargs)
+    fresh, g2 = passkey.run_passkey(model, tok, reuse=False, **kwargs)
+    assert [t.answer for t in reused] == [t.answer for t in fresh]
+    assert g2.computed == sum(t.prompt_tokens for t in fresh)
+    assert g1.computed < g2.computed
+
+
+def test_trial_plan_keys_and_depths():
+    plan = passkey.trial_plan([100, 200], trials=6, depths=3, seed=0)
+    assert len(plan) == 12
+    assert [d for _, d, _ in plan[:6]] == [0.0, 0.5, 1.0, 0.0, 0.5, 1.0]
+    keys = [k for *_, k in passkey.trial_plan([100], trials=500, depths=None, seed=1)]
+    assert all(10_000 <= k <= 99_999 for k in keys) and len(set(keys)) > 450
+
+
+def test_depth_grid_averages_hits_per_cell():
+    T = passkey.Trial
+    trials = [T(100, 99, 0.0, 1, "", True), T(100, 99, 0.0, 1, "", False), T(100, 99, 1.0, 1, "", True),
+              T(200, 199, 0.0, 1, "", False)]
+    grid, labels, lengths = passkey.depth_grid(trials)
+    assert lengths == [100, 200] and labels == ["0%", "100%"]
+    np.testing.assert_array_equal(grid[:, 0], [0.5, 1.0])
+    assert grid[0, 1] == 0.0 and np.isnan(grid[1, 1])
+
+
+def test_cli_end_to_end(tiny, tmp_path, capsys):
+    folder = tiny[0]
+    out = tmp_path / "pk.json"
+    rc = passkey.main(["--model", str(folder), "--lengths", "100,200", "--trials", "3", "--depths", "3",
+                       "--output", str(out), "--no-progress"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert "| 100 |" in captured.out and "| 200 |" in captured.out
+    record = json.loads(out.read_text())
+    assert {"length", "prompt_tokens", "depth", "key", "answer", "correct"} <= set(record["trials"][0])
+    assert len(record["trials"]) == 6
+    for acc in record["accuracy"]:
+        hits = [t["correct"] for t in record["trials"] if t["length"] == acc["length"]]
+        assert acc["accuracy"] == pytest.approx(np.mean(hits))
+    assert (tmp_path / "pk_accuracy.png").stat().st_size > 1000
+    assert (tmp_path / "pk_heatmap.png").stat().st_size > 1000
+
+
+def test_cli_default_lengths_and_bad_inputs(tiny, tmp_path, capsys):
+    folder = tiny[0]
+    assert passkey.main(["--model", str(folder), "--trials", "1", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "| 128 |" in out and "| 256 |" in out  # half the window (256) up to max_position_embeddings
+    small = make_eval_folder(tmp_path / "small", max_position_embeddings=32)
+    assert passkey.main(["--model", str(small), "--no-progress"]) == 2
+    assert "shorter than the passkey template" in capsys.readouterr().err
+    for argv, fragment in [(["--lengths", "1k;2k"], "--lengths"), (["--lengths", "16"], "template"),
+                           (["--lengths", "100000k"], "GiB")]:
+        assert passkey.main(["--model", str(folder), "--no-progress"] + argv) != 0
+        err = capsys.readouterr().err.strip()
+        assert "Traceback" not in err and len(err.splitlines()) == 1 and fragment in err, err
+
+
+def test_module_entry_point_reports_bad_input_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "pose_mlx.passkey", "--model", str(tmp_path), "--lengths", "2k,x"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "pose_mlx.passkey: error: --lengths: cannot parse 'x' in '2k,x' (expected e.g. 2k,4k,8192)"
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_a_model_that_reads_its_context_scores_full_accuracy(tiny, reuse):
+    from _eval_helpers import RetrievalOracle
+
+    tok = tiny[1].tokenizer
+    oracle = RetrievalOracle(tok, tiny[1].model.args.vocab_size)
+    trials, gen = passkey.run_passkey(oracle, tok, [100, 300], trials=5, depths=None, seed=7, chunk=64,
+                                      show_progress=False, reuse=reuse)
+    assert all(t.correct for t in trials), [(t.key, t.answer) for t in trials]
+    assert all(t.answer.strip() == str(t.key) for t in trials)
+    if reuse:
+        assert gen.computed < sum(t.prompt_tokens for t in trials)
