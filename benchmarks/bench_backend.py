@@ -1,0 +1,143 @@
+"""MLX on CPU with its stock BLAS vs the fast BLAS that pose_mlx loads, side by side in one run.
+
+The BLAS is fixed when `pose_mlx` is imported, before `mlx.core` (see pose_mlx/backend.py), so each
+configuration runs in its own child process: ``POSE_MLX_BLAS=off`` (MLX's bundled reference BLAS) and
+``POSE_MLX_BLAS=<--fast-blas>`` (default ``auto``: OpenBLAS, then MKL). Each child measures
+  1. fp32 N x N matmul throughput, 2 N^3 / t  (median t over repeats, after one warm-up);
+  2. one training step of a small mlx-lm llama: forward + backward + AdamW update on random tokens
+     (median over steps, after warm-up steps).
+Writes benchmarks/results/backend.json with stock_/fast_ medians, their ratios, and under "best" the fastest
+single repeat of each (less sensitive to other processes on a shared machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_results  # noqa: E402
+
+
+def _times(fn, min_reps: int, min_seconds: float) -> list[float]:
+    """Wall times of `fn()` over at least `min_reps` calls and `min_seconds` in total."""
+    times = []
+    start = time.perf_counter()
+    while len(times) < min_reps or time.perf_counter() - start < min_seconds:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def measure(args) -> dict:
+    """Run in a child process: import pose_mlx (loads the BLAS chosen by $POSE_MLX_BLAS), then measure."""
+    import pose_mlx  # noqa: F401  (before mlx)
+    from pose_mlx.backend import status
+
+    import mlx.core as mx
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+
+    from pose_mlx.toy import build_model, model_config
+
+    mx.random.seed(0)
+    n = args.size
+    a, b = mx.random.normal((n, n)), mx.random.normal((n, n))
+    mx.eval(a, b)
+    matmul = lambda: mx.eval(a @ b)  # noqa: E731
+    matmul()  # warm-up
+    matmul_times = _times(matmul, args.matmul_reps, args.min_seconds)
+
+    config = model_config(args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
+                          max_position_embeddings=args.seq)
+    model = build_model(config, seed=0)
+    optimizer = optim.AdamW(learning_rate=1e-4)
+    tokens = mx.random.randint(0, args.vocab, (args.batch, args.seq + 1))
+
+    def loss_fn(model, x, y):
+        return nn.losses.cross_entropy(model(x), y).mean()
+
+    loss_and_grad = nn.value_and_grad(model, loss_fn)
+
+    def step():
+        loss, grads = loss_and_grad(model, tokens[:, :-1], tokens[:, 1:])
+        optimizer.update(model, grads)
+        mx.eval(loss, model.parameters(), optimizer.state)
+
+    for _ in range(args.warmup_steps):
+        step()
+    step_times = _times(step, args.steps, 0.0)
+    flop = 2 * n**3
+    return {"gflops": flop / statistics.median(matmul_times) / 1e9, "step_s": statistics.median(step_times),
+            "best_gflops": flop / min(matmul_times) / 1e9, "best_step_s": min(step_times),
+            "blas_library": status.get("library"), "blas_reason": status.get("reason"),
+            "device": str(mx.default_device()), "mlx_version": mx.__version__}
+
+
+def run_child(blas: str, argv: list[str]) -> dict:
+    """Run this script with --child under POSE_MLX_BLAS=`blas`; return the JSON it prints last."""
+    env = {**os.environ, "POSE_MLX_BLAS": blas}
+    proc = subprocess.run([sys.executable, __file__, "--child", *argv], env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"child with POSE_MLX_BLAS={blas} failed:\n{proc.stderr}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", type=int, default=2048, help="matmul size N (fp32 N x N @ N x N)")
+    parser.add_argument("--matmul-reps", type=int, default=5, help="minimum timed matmuls")
+    parser.add_argument("--min-seconds", type=float, default=2.0, help="minimum total matmul timing per config")
+    parser.add_argument("--hidden", type=int, default=256, help="llama width")
+    parser.add_argument("--layers", type=int, default=4, help="llama layers")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads")
+    parser.add_argument("--vocab", type=int, default=2048, help="vocabulary size")
+    parser.add_argument("--batch", type=int, default=4, help="sequences per training step")
+    parser.add_argument("--seq", type=int, default=256, help="tokens per sequence")
+    parser.add_argument("--steps", type=int, default=5, help="timed training steps")
+    parser.add_argument("--warmup-steps", type=int, default=2, help="untimed training steps first")
+    parser.add_argument("--fast-blas", default="auto", help="POSE_MLX_BLAS value for the fast run (default auto)")
+    parser.add_argument("--out", default=None, help="output JSON (default benchmarks/results/backend.json)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(measure(args)))
+        return
+    if args.fast_blas.lower() in ("off", "none", "0", "false", "stock"):
+        parser.error("--fast-blas must name a BLAS (auto, openblas, mkl or a path), not disable it")
+
+    forwarded = [a for a in sys.argv[1:] if a != "--child"]
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    stock = run_child("off", forwarded)
+    fast = run_child(args.fast_blas, forwarded)
+    if fast["blas_library"] is None:
+        print(f"warning: the fast run loaded no BLAS ({fast['blas_reason']})", file=sys.stderr)
+    results = {
+        "stock_gflops": stock["gflops"],
+        "fast_gflops": fast["gflops"],
+        "stock_step_s": stock["step_s"],
+        "fast_step_s": fast["step_s"],
+        "matmul_speedup": fast["gflops"] / stock["gflops"],
+        "step_speedup": stock["step_s"] / fast["step_s"],
+        "best": {f"{name}_{key}": run[f"best_{key}"] for name, run in (("stock", stock), ("fast", fast))
+                 for key in ("gflops", "step_s")},
+        "blas_library": fast["blas_library"],
+        "stock_blas": stock["blas_reason"],
+        "device": fast["device"],
+        "load_average_1min_before": load_before,
+        "config": {k: v for k, v in vars(args).items() if k not in ("child", "out")},
+    }
+    path = write_results("backend", results, args.out)
+    print(json.dumps(results, indent=2))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

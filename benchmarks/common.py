@@ -1,0 +1,46 @@
+"""Helpers shared by the benchmarks: run metadata and writing a results JSON. Imports no MLX."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+from importlib import metadata as _metadata
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def _version(package: str) -> str | None:
+    try:
+        return _metadata.version(package)
+    except _metadata.PackageNotFoundError:
+        return None
+
+
+def run_metadata() -> dict:
+    """When and where a benchmark ran: UTC date, package versions, Python, OS, CPU architecture and count,
+    and the 1-minute load average at the end (other processes on the machine slow a benchmark down)."""
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "mlx_version": _version("mlx"),
+        "mlx_lm_version": _version("mlx-lm"),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
+
+
+def write_results(name: str, results: dict, path: str | Path | None = None) -> Path:
+    """Write `results` plus `run_metadata()` (results win on clashes) as indented JSON.
+
+    The default path is ``benchmarks/results/<name>.json``. Returns the path written.
+    """
+    path = Path(path) if path is not None else RESULTS_DIR / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"benchmark": name, **run_metadata(), **results}, indent=2) + "\n")
+    return path
