@@ -19,21 +19,17 @@ import pose_mlx  # noqa: F401  (fast BLAS before mlx)
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
-from mlx_lm.models import llama
 
 from pose_mlx import extend, use_positions
 from pose_mlx.backend import status as blas_status
 from pose_mlx.positions import pose_position_ids
+from pose_mlx.toy import build_model, model_config
 
 
 def build(args):
-    config = dict(model_type="llama", hidden_size=args.hidden, num_hidden_layers=args.layers,
-                  intermediate_size=args.hidden * 8 // 3, num_attention_heads=args.heads, num_key_value_heads=args.heads,
-                  rms_norm_eps=1e-5, vocab_size=2048, rope_theta=10000.0, tie_word_embeddings=True)
-    mx.random.seed(0)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
-    mx.eval(model.parameters())
-    return model
+    """A random-weight llama (the same seed for both models, so they start from identical weights)."""
+    config = model_config(2048, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads)
+    return build_model(config, seed=0)
 
 
 def loss_fn(model, x):
