@@ -39,6 +39,13 @@ class UsageError(ValueError):
     """Bad input: reported as one line, exit code 1."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag value as a UsageError (one line, exit 1) instead of usage + exit 2."""
+
+    def error(self, message):
+        raise UsageError(message)
+
+
 def parse_target(text, original: int | None) -> int:
     """'32768' | '32k' | '32K' | '1.5k' (k = 1024) | '8x' (times `original`) -> a whole number of tokens."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKxX]?)\s*", str(text))
@@ -56,24 +63,45 @@ def parse_target(text, original: int | None) -> int:
     return int(round(number))
 
 
+_WORDS = {"true": True, "false": False, "none": None, "null": None}
+
+
 def parse_param(text: str) -> tuple[str, object]:
-    """'key=value' with value read as JSON when possible (numbers, true/false, lists), else a string."""
+    """'key=value' with value read as JSON when possible (numbers, true/false, lists), else a string.
+    True/False/None in any case are booleans/None too (the --help lists defaults in Python spelling)."""
     key, sep, value = str(text).partition("=")
     if not sep or not key.strip():
         raise UsageError(f"--scaling-param {text!r} must look like key=value")
+    if value.strip().lower() in _WORDS:
+        return key.strip(), _WORDS[value.strip().lower()]
     try:
         return key.strip(), json.loads(value)
     except json.JSONDecodeError:
         return key.strip(), value
 
 
+def _schedule_help() -> str:
+    """One line per registered schedule: its --scaling-param keys with their defaults."""
+    import inspect
+
+    from .rope import SCHEDULES
+
+    lines = []
+    for name, fn in SCHEDULES.items():
+        keys = [f"{q.name}={q.default!r}" if q.default is not q.empty else q.name
+                for q in inspect.signature(fn).parameters.values() if q.kind is q.KEYWORD_ONLY]
+        lines.append(f"  {name:<14} {' '.join(keys) or '(no parameters)'}")
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     aliases = "\n".join(f"  {k:<14} {v[0]:<40} original window {v[1]}" for k, v in ALIASES.items())
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m pose_mlx.finetune",
         description="Extend the context window of a RoPE language model with PoSE (positional skip-wise\n"
                     "training) or a baseline, and export a standard mlx-lm model folder.",
-        epilog=f"model aliases (--model NAME):\n{aliases}",
+        epilog=f"model aliases (--model NAME):\n{aliases}\n\n"
+               f"schedules (--scaling NAME) and their --scaling-param keys with defaults:\n{_schedule_help()}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     a = p.add_argument
@@ -115,11 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--data", help="text file, folder of .txt/.jsonl ('text' field), or a hub dataset repo")
     a("--min-length", type=int, help="skip documents shorter than this many tokens (default: the window; "
                                      "the target for --method full)")
-    a("--cache-dir", default="~/.cache/pose_mlx/tokens", help="where tokenized corpora are cached")
-    a("--heldout", type=float, default=0.05, help="fraction of documents held out for --eval-every")
+    a("--cache-dir", default="~/.cache/pose_mlx/tokens", help="where tokenized corpora are cached (default ~/.cache/pose_mlx/tokens)")
+    a("--heldout", type=float, default=0.05, help="fraction of documents held out for --eval-every (default 0.05)")
     a("--eval-every", type=int, default=0, help="evaluate the held-out loss every N steps (0: never)")
     a("--eval-batches", type=int, default=8, help="held-out batches per evaluation (default 8)")
-    a("--seed", type=int, default=0, help="seed of data sampling and LoRA initialisation")
+    a("--seed", type=int, default=0, help="seed of data sampling and LoRA initialisation (default 0)")
     a("--output", help="output model folder (default: <model name>-<method>-<target>)")
     a("--resume", action="store_true", help="continue the unfinished run in <output>.partial")
     a("--overwrite", action="store_true", help="replace an existing output folder / unfinished run")
@@ -164,6 +192,29 @@ def _read_config(path, parser) -> dict:
             raise UsageError(f"--config {path}: unknown key {key!r}")
         out[dest] = value
     return out
+
+
+# flag -> (smallest allowed value, whether the bound is exclusive); None values mean "use the default"
+_BOUNDS = {"steps": (1, False), "batch_size": (1, False), "grad_accum": (1, False), "warmup": (0, False),
+           "save_every": (0, False), "eval_every": (0, False), "eval_batches": (1, False), "chunks": (1, False),
+           "lora_rank": (1, False), "window": (1, False), "min_length": (1, False), "lr": (0, True),
+           "max_grad_norm": (0, True)}
+
+
+def check_values(args) -> None:
+    """Reject out-of-range numbers and unknown schedules before anything is loaded (one line each)."""
+    from .rope import SCHEDULES
+
+    for name, (low, exclusive) in _BOUNDS.items():
+        value = getattr(args, name)
+        if value is not None and (value <= low if exclusive else value < low):
+            raise UsageError(f"--{name.replace('_', '-')} must be {'>' if exclusive else '>='} {low}, got {value}")
+    if args.lora_layers == 0:
+        raise UsageError("--lora-layers must be >= 1, or -1 for all blocks; got 0")
+    if args.eval_every and not 0 < args.heldout < 1:
+        raise UsageError(f"--heldout must be between 0 and 1 (a fraction of the documents), got {args.heldout}")
+    if args.scaling not in SCHEDULES:
+        raise UsageError(f"--scaling {args.scaling!r} is not a known schedule; choose one of {', '.join(SCHEDULES)}")
 
 
 def resolve_model(name: str) -> tuple[Path, int | None]:
@@ -268,8 +319,9 @@ def _add_lora(model, args) -> dict:
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
     num_layers = len(model.layers) if args.lora_layers < 0 else args.lora_layers
-    if args.lora_rank < 1 or num_layers < 1:
-        raise UsageError(f"--lora-rank ({args.lora_rank}) and --lora-layers ({args.lora_layers}) must be >= 1")
+    if not 1 <= num_layers <= len(model.layers):
+        raise UsageError(f"--lora-layers {args.lora_layers} must be between 1 and the model's "
+                         f"{len(model.layers)} blocks (or -1 for all)")
     lora = {"num_layers": num_layers, "rank": args.lora_rank, "scale": args.lora_scale}
     mx.random.seed(args.seed)
     model.freeze()
@@ -282,9 +334,10 @@ def _streams(args, tokenizer, window: int, target: int):
 
     if not args.data:
         raise UsageError("--data is required unless --method none")
-    min_length = args.min_length or (target if args.method == "full" else window)
+    min_length = args.min_length if args.min_length is not None else (target if args.method == "full" else window)
     corpus = tokenize_corpus(args.data, tokenizer, Path(args.cache_dir).expanduser(), min_length,
                              progress=not args.no_progress)
+    _report_skipped(args.data, corpus.meta)
     heldout = None
     if args.eval_every:
         corpus, heldout = corpus.split(args.heldout, args.seed)
@@ -304,10 +357,20 @@ def _streams(args, tokenizer, window: int, target: int):
     return corpus, stream(corpus, args.seed), eval_batches
 
 
+def _report_skipped(source, meta: dict) -> None:
+    """Warn (one line) when unreadable files were skipped while reading the corpus (counts from its cache)."""
+    from .data import ReadStats
+
+    stats = ReadStats(**meta.get("stats", {}))
+    if stats.skipped():
+        _warn(f"--data {source}: skipped {stats.skipped()} unreadable files or lines ({stats.describe()})")
+
+
 def run(args) -> Path:
     """Do what `args` says; returns the output folder. Raises UsageError / ValueError on bad input."""
     if not args.model:
         raise UsageError("--model is required (a folder, hub id or alias)")
+    check_values(args)
     model_path, alias_window = resolve_model(args.model)
     config = json.loads((model_path / "config.json").read_text())
     original = original_window(args, config, alias_window)
@@ -316,7 +379,7 @@ def run(args) -> Path:
         raise UsageError("--target is required (e.g. 32k or 8x)")
     if target <= original:
         raise UsageError(f"--target {target} must be larger than the original window {original}")
-    window = args.window or original
+    window = args.window if args.window is not None else original
     if not 1 <= window <= target:
         raise UsageError(f"--window {window} must be between 1 and the target {target}")
     args.window, args.original = window, original
@@ -385,8 +448,8 @@ def main(argv=None) -> int:
     except Interrupted as exc:
         print(f"stopped: {exc}", file=sys.stderr)
         return 128 + exc.signum
-    except KeyboardInterrupt:  # before training started (loading, tokenizing): no checkpoint to keep
-        print("stopped: interrupted before training started", file=sys.stderr)
+    except KeyboardInterrupt:  # outside the training loop (loading, tokenizing, exporting): nothing new saved
+        print("stopped: interrupted outside the training loop; no checkpoint was written by it", file=sys.stderr)
         return 130
     except (ValueError, NonFiniteLoss, FileNotFoundError, NotADirectoryError, PermissionError) as exc:
         print(f"error: {exc}", file=sys.stderr)

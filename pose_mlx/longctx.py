@@ -137,6 +137,8 @@ def load_eval_model(
         if not target:
             raise EvalError("--target: required with --scaling (the length to extend to)")
         base_len = int(original or cfg_original)
+        if int(target) < base_len:
+            raise EvalError(f"--target: {target} is shorter than the original window {base_len}")
         method = scaling or "linear"
         from .patch import extend
 
@@ -313,13 +315,17 @@ def check_memory(model: nn.Module, lengths: list[int], chunk: int, force: bool =
 def cli_main(prog: str) -> Callable:
     """Decorator for a CLI entry point: an EvalError/ValueError/OSError becomes one line on stderr, exit 2.
 
-    Also quiets transformers' import-time notices (set TRANSFORMERS_VERBOSITY to see them).
+    Also quiets transformers' notices and warnings (set TRANSFORMERS_VERBOSITY to see them): the variable is
+    read at import, and transformers is usually imported (by mlx_lm) before this runs, so it is set directly too.
     """
 
     def wrap(func: Callable) -> Callable:
         @functools.wraps(func)
         def run(argv=None) -> int:
-            os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no "PyTorch was not found" notice
+            if "TRANSFORMERS_VERBOSITY" not in os.environ:
+                os.environ["TRANSFORMERS_VERBOSITY"] = "error"  # no "PyTorch was not found" notice
+                if "transformers" in sys.modules:  # e.g. "Unrecognized keys in `rope_parameters`"
+                    sys.modules["transformers"].logging.set_verbosity_error()
             try:
                 return func(argv) or 0
             except (ValueError, OSError) as error:
@@ -332,7 +338,7 @@ def cli_main(prog: str) -> Callable:
 
 
 def add_model_arguments(parser) -> None:
-    """--model, --scaling, --target, --original, --chunk, --force."""
+    """--model, --scaling, --target, --original, --chunk, --force, --no-progress."""
     parser.add_argument("--model", required=True, help="model folder (e.g. written by pose_mlx.finetune)")
     parser.add_argument("--scaling", default=None,
                         help="extend a raw model with this RoPE schedule before evaluating (default with --target: "
@@ -343,6 +349,7 @@ def add_model_arguments(parser) -> None:
     parser.add_argument("--chunk", type=int, default=DEFAULT_CHUNK,
                         help=f"tokens per prefill chunk (memory ~ chunk x length; default {DEFAULT_CHUNK})")
     parser.add_argument("--force", action="store_true", help="run even when the memory estimate exceeds the RAM")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
 
 
 def resolve_lengths(arg: str | None, info: EvalModel) -> list[int]:

@@ -205,13 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
     longctx.add_model_arguments(parser)
     parser.add_argument("--lengths", default=None, help="prompt lengths, e.g. 2k,4k,8192 (default: doubling from "
                                                         "half the original window to the model's maximum)")
-    parser.add_argument("--trials", type=int, default=50, help="trials per length")
+    parser.add_argument("--trials", type=int, default=50, help="trials per length (default 50)")
     parser.add_argument("--depths", type=int, default=None,
                         help="put the needle on a grid of this many depths in [0, 1] (default: uniform random)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the keys and random depths (default 0)")
     parser.add_argument("--output", default=None,
                         help="write JSON results here (and <stem>_accuracy.png, <stem>_heatmap.png next to it)")
-    parser.add_argument("--no-progress", action="store_true")
     return parser
 
 
@@ -220,6 +219,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.chunk < 1:
         raise EvalError("--chunk must be >= 1")
+    trial_plan([], args.trials, args.depths, args.seed)  # --trials/--depths checked before loading the model
     lengths = longctx.parse_lengths(args.lengths) if args.lengths else None
     info = longctx.load_eval_model(args.model, args.scaling, args.target, args.original)
     if lengths is None:  # defaults: drop those too short for the template
@@ -227,7 +227,8 @@ def main(argv=None) -> int:
         lengths = [n for n in longctx.resolve_lengths(None, info) if n >= template]
         if not lengths:
             raise EvalError(f"--lengths: the model's window {info.max_length} is shorter than the passkey "
-                            f"template ({template} tokens)")
+                            f"template ({template} tokens); pass --lengths {2 ** (template - 1).bit_length()} "
+                            "(or longer) to test beyond the window")
     estimate = longctx.check_memory(info.model, lengths, args.chunk, args.force)
     build_prompt(info.tokenizer, longctx.bos_id(info.tokenizer), min(lengths), 0.5, 99_999)  # template fits?
     print(f"model {info.path}: schedule {info.schedule}; original window {info.original_length}, "

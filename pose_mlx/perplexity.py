@@ -137,15 +137,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data", required=True, help="a text file, a .jsonl file (field 'text'), or a folder of .txt/.md/.py/.jsonl files")
     parser.add_argument("--lengths", default=None, help="window lengths, e.g. 2k,4k,8192 (default: doubling "
                                                         "from half the original window to the model's maximum)")
-    parser.add_argument("--stride", type=int, default=1024, help="tokens between window starts (capped at W-1)")
-    parser.add_argument("--docs", type=int, default=50, help="number of documents to evaluate")
+    parser.add_argument("--stride", type=int, default=1024, help="tokens between window starts, capped at W-1 (default 1024)")
+    parser.add_argument("--docs", type=int, default=50, help="number of documents to evaluate (default 50)")
     parser.add_argument("--min-doc-tokens", type=int, default=None,
                         help="skip shorter documents (default: the longest length - 1)")
     parser.add_argument("--no-truncate", action="store_true",
                         help="score whole documents (default: first longest-length - 1 tokens, so every length "
                              "scores the same tokens)")
     parser.add_argument("--output", default=None, help="write JSON results here (and a PNG next to it)")
-    parser.add_argument("--no-progress", action="store_true")
     return parser
 
 

@@ -63,9 +63,14 @@ def heatmap(
     path: str | Path, grid: np.ndarray, row_labels: Sequence[str], col_labels: Sequence[str],
     xlabel: str, ylabel: str, title: str,
 ) -> Path:
-    """`grid` (rows x cols, values in [0, 1], NaN = no trial) as a red-to-green heatmap with cell values."""
+    """`grid` (rows x cols, values in [0, 1], NaN = no trial) as a red-to-green heatmap with cell values;
+    cells without trials are grey (the colormap's middle, 0.5, is a pale yellow close to white).
+
+    At least 5 inches wide (the title fits however few lengths there are); saved with a tight bounding box.
+    """
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(1.2 + 0.8 * len(col_labels), 1.2 + 0.45 * len(row_labels)))
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.2 + 0.8 * len(col_labels)), 1.2 + 0.45 * len(row_labels)))
+    ax.set_facecolor("0.8")  # shows through masked (NaN) cells
     image = ax.imshow(np.ma.masked_invalid(grid), cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
     ax.set_xticks(range(len(col_labels)), col_labels)
     ax.set_yticks(range(len(row_labels)), row_labels)
@@ -77,6 +82,6 @@ def heatmap(
     ax.set_title(title)
     fig.colorbar(image, ax=ax)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return Path(path)

@@ -33,7 +33,8 @@ class NonFiniteLoss(RuntimeError):
 
     def __init__(self, step: int, checkpoint_step: int | None):
         kept = f"the last good checkpoint (step {checkpoint_step}) is kept" if checkpoint_step else "no checkpoint was written yet"
-        super().__init__(f"loss is not finite at step {step}; training stopped, {kept} (try a lower --lr)")
+        super().__init__(f"loss is not finite at step {step}; training stopped, {kept} "
+                         "(start over with a lower --lr and --overwrite)")
         self.step = step
 
 

@@ -1,9 +1,11 @@
-"""tools/coverage.py writes every file; PNGs are valid and non-empty. Small settings; runtime ~5 s."""
+"""tools/coverage.py writes every file; PNGs are valid and non-empty; bad flags are one-line errors. ~6 s."""
 
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -38,3 +40,71 @@ def test_help_documents_every_flag():
         assert flag in text
     bad = subprocess.run([sys.executable, str(ROOT / "tools" / "coverage.py"), "--dims", "99"], capture_output=True)
     assert bad.returncode != 0
+
+
+def _load_tool():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("coverage_tool", ROOT / "tools" / "coverage.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--head-dim", "7"], "--head-dim"), (["--base", "1"], "--base"), (["--bins", "0"], "--bins"),
+    (["--samples", "1"], "--samples"), (["--alpha", "0"], "--alpha"), (["--alpha", "1.5"], "--alpha"),
+    (["--bound-range", "0"], "--bound-range"), (["--window", "2"], "--window"),
+])
+def test_bad_arguments_are_one_line_errors(tmp_path, capsys, args, flag):
+    """Each bad value is refused before any work: exit 2 and a last stderr line naming the flag, no traceback."""
+    tool = _load_tool()
+    with pytest.raises(SystemExit) as exit_info:
+        tool.parse_args(["--out", str(tmp_path / "out"), *args])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert ": error: " + flag in err[-1]
+    assert not any("Traceback" in line for line in err)
+    assert not (tmp_path / "out").exists()
+
+
+def test_unwritable_out_is_one_line_error(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(SystemExit):
+        _load_tool().parse_args(["--out", str(blocker / "sub")])
+    assert "error: --out: cannot create" in capsys.readouterr().err
+
+
+def _legend_hides_data(fig) -> list[str]:
+    """Labels of lines with a data point drawn under an axes' legend box (display coordinates)."""
+    fig.canvas.draw()
+    hidden = []
+    for ax in fig.axes:
+        legend = ax.get_legend()
+        if legend is None:
+            continue
+        box = legend.get_window_extent()
+        for line in ax.get_lines():
+            xy = ax.transData.transform(line.get_xydata())
+            inside = ((xy[:, 0] > box.x0) & (xy[:, 0] < box.x1) & (xy[:, 1] > box.y0) & (xy[:, 1] < box.y1))
+            if inside.any():
+                hidden.append(line.get_label())
+    return hidden
+
+
+@pytest.mark.parametrize("plot", ["plot_bounds", "plot_granularity", "plot_angles"])
+def test_legends_do_not_cover_curves_at_default_settings(tmp_path, monkeypatch, plot):
+    """The README's figures (default settings): no legend box sits on top of a plotted curve."""
+    tool = _load_tool()
+    covered = {}
+    save = tool._save
+
+    def check_then_save(fig, path):
+        covered[Path(path).name] = _legend_hides_data(fig)
+        return save(fig, path)
+
+    monkeypatch.setattr(tool, "_save", check_then_save)
+    getattr(tool, plot)(tool.parse_args(["--out", str(tmp_path)]), tmp_path)
+    assert covered and all(not labels for labels in covered.values()), covered

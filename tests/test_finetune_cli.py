@@ -138,6 +138,25 @@ def test_help_lists_aliases(capsys):
     assert {"llama-7b", "llama-2-7b", "llama-2-13b", "mistral-7b", "tinyllama", "qwen2.5-0.5b"} <= set(ALIASES)
 
 
+def test_help_lists_every_schedule_and_its_parameters(capsys):
+    """--help names each registered schedule with the keyword parameters its function accepts."""
+    import inspect
+
+    from pose_mlx.rope import SCHEDULES
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    lines = {line.split()[0]: line for line in out.split("--scaling-param keys with defaults:")[1].splitlines()
+             if line.strip()}
+    assert set(lines) == set(SCHEDULES)
+    for name, fn in SCHEDULES.items():
+        for q in inspect.signature(fn).parameters.values():
+            if q.kind is q.KEYWORD_ONLY:
+                assert f"{q.name}=" in lines[name] or q.name in lines[name].split(), (name, q.name)
+    assert "beta_fast=32.0" in lines["yarn"] and "bins=" in lines["dprope"]
+
+
 def test_eval_every_logs_heldout_loss(tiny_model, text_dir, tmp_path, capsys):
     out = tmp_path / "ev"
     code, err = run_cli(capsys, "--model", tiny_model, "--target", "4x", "--data", text_dir, "--output", out,

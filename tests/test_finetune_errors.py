@@ -137,3 +137,41 @@ def test_resume_with_changed_settings_is_refused(tiny_model, text_dir, tmp_path,
     capsys.readouterr()
     args[args.index("--lr") + 1] = "1e-3"
     fails(capsys, *args, "--resume", match="--lr")
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--steps", "abc"], "--steps"),  # argparse type error: one line too, exit 1 (not usage + exit 2)
+    (["--method", "bogus"], "--method"),
+    (["--window", "0"], "--window"),  # 0 must not silently mean "the default"
+    (["--min-length", "0"], "--min-length"),
+    (["--max-grad-norm", "0"], "--max-grad-norm"),  # clipping to 0 would zero every update
+    (["--lr", "0"], "--lr"),
+    (["--steps", "0"], "--steps"),
+    (["--eval-every", "2", "--eval-batches", "0"], "--eval-batches"),
+    (["--eval-every", "2", "--heldout", "1.5"], "--heldout"),
+    (["--lora-layers", "0"], "--lora-layers"),
+    (["--lora-layers", "99"], "--lora-layers"),  # the tiny model has 2 blocks
+    (["--scaling", "foo"], "--scaling"),
+])
+def test_out_of_range_flags(tiny_model, text_dir, tmp_path, capsys, flags, match):
+    fails(capsys, "--model", tiny_model, "--target", "4x", "--data", text_dir, "--output", tmp_path / "o",
+          "--cache-dir", tmp_path / "c", *FAST, *flags, match=match)
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
+
+
+def test_skipped_files_are_counted(tiny_model, text_dir, tmp_path, capsys):
+    """Empty, binary and non-UTF-8 files next to good ones: training runs and one warning gives the counts."""
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(text_dir, data)
+    (data / "empty.txt").write_bytes(b"")
+    (data / "binary.txt").write_bytes(bytes(range(256)) * 10)
+    (data / "latin1.txt").write_bytes("caf\u00e9 cr\u00e8me br\u00fbl\u00e9e\n".encode("latin-1") * 20)
+    code = main([str(a) for a in ("--model", tiny_model, "--target", "4x", "--data", data, "--output",
+                                  tmp_path / "o", "--cache-dir", tmp_path / "c", *FAST)])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    warnings = [line for line in err.splitlines() if line.startswith("warning:") and "skipped" in line]
+    assert len(warnings) == 1, err
+    assert "skipped 3 " in warnings[0] and "1 empty, 1 binary, 1 not UTF-8" in warnings[0], warnings[0]

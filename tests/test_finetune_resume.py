@@ -1,4 +1,4 @@
-"""Kill/resume: a run killed with SIGKILL (or stopped by SIGTERM) and resumed reproduces the per-step losses
+"""Kill/resume: a run killed with SIGKILL (or stopped by SIGTERM or Ctrl-C) and resumed reproduces the per-step losses
 of an uninterrupted run (<= 1e-5). Runs the real CLI in subprocesses."""
 
 import pose_mlx  # noqa: F401  (fast BLAS before mlx)
@@ -45,7 +45,7 @@ def reference(tiny_model, text_dir, tmp_path_factory):
     return [r["loss"] for r in read_log(out / "train_log.jsonl")]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
 def test_killed_run_resumes_with_identical_losses(reference, tiny_model, text_dir, tmp_path, sig):
     out = tmp_path / "out"
     log = tmp_path / "out.partial" / "log.jsonl"
@@ -56,10 +56,10 @@ def test_killed_run_resumes_with_identical_losses(reference, tiny_model, text_di
     err = proc.stderr.read()
     killed_at = len(read_log(log))
     assert 10 <= killed_at < STEPS, "the kill did not land mid-run"
-    if sig == signal.SIGTERM:
-        assert code == 128 + signal.SIGTERM and "--resume" in err and "Traceback" not in err
+    if sig != signal.SIGKILL:  # SIGTERM / Ctrl-C (SIGINT): save the step it finished, then exit 128 + signum
+        assert code == 128 + sig and "--resume" in err and "Traceback" not in err
         saved = json.loads((tmp_path / "out.partial" / "checkpoint" / "state.json").read_text())["step"]
-        assert saved == killed_at  # SIGTERM saves the step it finished
+        assert saved == killed_at
     else:
         assert code == -signal.SIGKILL
     assert not out.exists()

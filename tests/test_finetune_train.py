@@ -38,6 +38,10 @@ def test_parse_param():
     assert parse_param("beta_fast=32") == ("beta_fast", 32)
     assert parse_param("blend=wavelength") == ("blend", "wavelength")
     assert parse_param("long_factor=[1, 2.5]") == ("long_factor", [1, 2.5])
+    # Python spellings (as --help prints defaults) must not become truthy strings like "False"
+    assert parse_param("truncate=False") == ("truncate", False)
+    assert parse_param("truncate=true") == ("truncate", True)
+    assert parse_param("attention_factor=None") == ("attention_factor", None)
     with pytest.raises(UsageError):
         parse_param("novalue")
 

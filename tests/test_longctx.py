@@ -128,3 +128,31 @@ def test_both_commands_run_on_a_folder_exported_by_finetune(tmp_path, capsys):
     assert passkey.main(["--model", str(out), "--trials", "1", "--no-progress"]) == 0
     printed = capsys.readouterr().out
     assert "| 128 |" in printed and "| 512 |" in printed  # default passkey lengths: 64 is below the template
+
+
+def test_target_shorter_than_the_window_names_the_flag(tmp_path):
+    pytest.importorskip("pose_mlx.rope")
+    folder = make_eval_folder(tmp_path / "m", max_position_embeddings=64)
+    with pytest.raises(longctx.EvalError, match="--target: 32 is shorter than the original window 64"):
+        longctx.load_eval_model(folder, scaling="linear", target=32)
+
+
+def test_cli_silences_transformers_warnings_logged_after_import(monkeypatch, capfd):
+    """transformers is imported (by mlx_lm) before a CLI runs, so the env variable alone would come too late."""
+    import transformers
+
+    monkeypatch.delenv("TRANSFORMERS_VERBOSITY", raising=False)
+    before = transformers.logging.get_verbosity()
+    logger = transformers.logging.get_logger("transformers.modeling_rope_utils")
+
+    @longctx.cli_main("probe")
+    def probe(argv=None):
+        logger.warning("Unrecognized keys in `rope_parameters`")
+        return 0
+
+    try:
+        transformers.logging.set_verbosity_warning()
+        assert probe([]) == 0
+        assert "Unrecognized keys" not in capfd.readouterr().err
+    finally:
+        transformers.logging.set_verbosity(before)

@@ -141,3 +141,56 @@ def test_a_model_that_reads_its_context_scores_full_accuracy(tiny, reuse):
     assert all(t.answer.strip() == str(t.key) for t in trials)
     if reuse:
         assert gen.computed < sum(t.prompt_tokens for t in trials)
+
+
+def test_default_lengths_error_suggests_a_length_that_fits(tmp_path, capsys):
+    small = make_eval_folder(tmp_path / "small", max_position_embeddings=32)
+    assert passkey.main(["--model", str(small), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    suggested = int(err.split("pass --lengths ")[1].split()[0])
+    info = longctx.load_eval_model(small)
+    assert passkey.build_prompt(info.tokenizer, 0, suggested, 0.5, 99_999)  # the suggestion fits the template
+
+
+@pytest.mark.parametrize("argv, flag", [(["--trials", "0"], "--trials"), (["--depths", "0"], "--depths")])
+def test_trial_counts_are_checked_before_loading_the_model(tmp_path, capsys, argv, flag):
+    # the folder does not exist: had the model been loaded first, the error would name --model
+    assert passkey.main(["--model", str(tmp_path / "missing"), "--no-progress"] + argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"error: {flag}" in err, err
+
+
+@pytest.mark.parametrize("columns", [1, 2, 8])
+def test_heatmap_is_never_narrower_than_its_title(tmp_path, columns):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.image as mpimg
+    import matplotlib.pyplot as plt
+
+    from pose_mlx.plots import heatmap
+
+    title = "Passkey accuracy by depth and length"
+    path = heatmap(tmp_path / "h.png", np.full((3, columns), 0.5), ["0%", "50%", "100%"],
+                   [str(256 * 2**i) for i in range(columns)], "context length (tokens)", "needle depth", title)
+    width_px = mpimg.imread(path).shape[1]
+    fig = plt.figure(dpi=120)  # the title's own width, rendered at the same size and dpi
+    text = fig.text(0, 0, title, fontsize=plt.rcParams["axes.titlesize"])
+    fig.canvas.draw()
+    title_px = text.get_window_extent().width
+    plt.close(fig)
+    assert width_px > title_px + 20
+
+
+def test_heatmap_cells_without_trials_are_grey(tmp_path):
+    import matplotlib.image as mpimg
+
+    from pose_mlx.plots import heatmap
+
+    def grey_pixels(grid):
+        rgb = mpimg.imread(heatmap(tmp_path / "h.png", grid, ["a", "b"], ["1", "2"], "x", "y", "t"))[..., :3]
+        mean = rgb.mean(axis=-1)
+        return int(((np.ptp(rgb, axis=-1) < 0.02) & (mean > 0.7) & (mean < 0.9)).sum())
+
+    # the same grid with one cell empty instead of 0: that whole cell (thousands of pixels) turns grey
+    assert grey_pixels(np.array([[0.0, np.nan], [1.0, 0.5]])) > grey_pixels(np.array([[0.0, 0.0], [1.0, 0.5]])) + 5000

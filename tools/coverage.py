@@ -174,7 +174,7 @@ def plot_bounds(args, out: Path) -> dict:
     ax.set_xlabel("relative distance s")
     ax.set_ylabel("bound / max|h_j|")
     ax.set_title(f"PI bounds, d={args.head_dim}, c={args.base:g}")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="center right")  # the empty band between the two bounds
     _save(fig, out / "bounds.png")
     np.savetxt(out / "bounds.csv", np.column_stack([s, b, interp]), delimiter=",",
                header="s,B(s),interpolation_bound_midpoint", comments="")
@@ -202,14 +202,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.window < 3 or args.target < args.window:
         p.error("--window must be >= 3 and --target >= --window")
+    if args.head_dim < 2 or args.head_dim % 2:
+        p.error(f"--head-dim must be a positive even integer, got {args.head_dim}")
+    if not args.base > 1:
+        p.error(f"--base must be > 1, got {args.base:g}")
+    if args.bins < 1:
+        p.error(f"--bins must be >= 1, got {args.bins}")
+    if args.samples < 2:
+        p.error(f"--samples must be >= 2, got {args.samples}")
+    if not 0 < args.alpha <= 1:
+        p.error(f"--alpha must lie in (0, 1], got {args.alpha:g}")
+    if not args.bound_range >= 1:
+        p.error(f"--bound-range must be >= 1, got {args.bound_range:g}")
     if any(not 0 <= d < args.head_dim // 2 for d in args.dims):
         p.error(f"--dims must lie in [0, {args.head_dim // 2})")
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        p.error(f"--out: cannot create {args.out}: {error.strerror}")
     return args
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
     summary = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                "examples_for_p99_each_distance": plot_coverage(args, args.out),
                "dprope": plot_angles(args, args.out),
