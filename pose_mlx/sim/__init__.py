@@ -1,0 +1,7 @@
+"""`python -m pose_mlx.sim`: reproduce the PoSE paper's experiments at laptop scale.
+
+Stages (each cached on disk under ``--out``; a rerun skips finished stages and resumes interrupted training):
+corpus (`corpus`) -> pre-training at Lc (`pretrain`) -> the grid of fine-tuning runs, each one call of
+`pose_mlx.finetune.main` (`grid`) -> evaluation through `pose_mlx.perplexity.main` / `pose_mlx.passkey.main`
+(`grid`) -> claims (`claims`) -> report.md, results.json, PNGs (`report`).
+"""

@@ -1,0 +1,120 @@
+"""The paper's qualitative claims (a)-(f), checked on results.json's numbers with fixed, stated thresholds.
+
+Each check returns {"id", "claim", "held": True/False/None (not evaluable: a number is missing), "detail"}
+with the numbers that decided it. Thresholds are module constants, never tuned per run.
+"""
+
+from __future__ import annotations
+
+EXPLODE = 10.0  # (a) "explodes": ppl at some length > Lc is >= 10x its ppl at Lc
+WITHIN = 0.05  # (b) PoSE within 5% of full-length
+PASSKEY_OK, PASSKEY_ZERO = 0.90, 0.10  # (c) "succeeds" >= 90%, "near 0" <= 10%
+FAILS = 1.10  # (d) N=1 "fails": ppl >= 1.10 x PoSE (N=2) at some length > Lc
+HURTS = 1.05  # (d) N=Lc "hurts at Lc": ppl at Lc >= 1.05 x PoSE (N=2)
+FLAT, GROWS = 1.25, 1.5  # (e) PoSE max/min cost over targets <= 1.25; full-length cost at the largest / smallest >= 1.5
+CLOSE = 0.10  # (f) "Full ~ PoSE": within 10%
+MUCH = 1.5  # (f) ">>": Original ppl >= 1.5 x schedule-only ppl
+
+
+def _ppl(results: dict, run: str, length: int):
+    return results["runs"].get(run, {}).get("ppl", {}).get(str(length))
+
+
+def _fmt(x) -> str:
+    return "n/a" if x is None else f"{x:.3g}"
+
+
+def _claim(cid: str, text: str, held, detail: str) -> dict:
+    return {"id": cid, "claim": text, "held": held, "detail": detail}
+
+
+def claim_a(results: dict, lengths: list[int]) -> dict:
+    text = f"Original perplexity explodes beyond Lc (>= {EXPLODE:g}x its perplexity at Lc)"
+    at_lc = _ppl(results, "original", lengths[0])
+    beyond = {n: _ppl(results, "original", n) for n in lengths[1:]}
+    if at_lc is None or None in beyond.values():
+        return _claim("a", text, None, "missing perplexities of 'original'")
+    ratios = {n: v / at_lc for n, v in beyond.items()}
+    detail = f"Original ppl {_fmt(at_lc)} at {lengths[0]}; ratio to it " + ", ".join(
+        f"{n}: {r:.2f}x" for n, r in ratios.items())
+    return _claim("a", text, max(ratios.values()) >= EXPLODE, detail)
+
+
+def claim_b(results: dict, lengths: list[int]) -> dict:
+    text = f"PoSE is within {WITHIN:.0%} of Full-length perplexity at every length <= Lt (linear schedule)"
+    pairs = {n: (_ppl(results, "pose-linear", n), _ppl(results, "full-linear", n)) for n in lengths}
+    if any(None in p for p in pairs.values()):
+        return _claim("b", text, None, "missing perplexities of 'pose-linear' or 'full-linear'")
+    gaps = {n: p / f - 1 for n, (p, f) in pairs.items()}
+    detail = ", ".join(f"{n}: PoSE {p:.3g} vs Full {f:.3g} ({gaps[n]:+.1%})" for n, (p, f) in pairs.items())
+    return _claim("b", text, all(g <= WITHIN for g in gaps.values()), detail)
+
+
+def claim_c(results: dict, lengths: list[int]) -> dict:
+    text = (f"PoSE passkey accuracy >= {PASSKEY_OK:.0%} at every length <= Lt while Original is near 0 "
+            f"(<= {PASSKEY_ZERO:.0%}) beyond Lc")
+    pose = results["runs"].get("pose-linear", {}).get("passkey", {})
+    orig = results["runs"].get("original", {}).get("passkey", {})
+    tested = [n for n in lengths if str(n) in pose]
+    beyond = [n for n in tested if n > lengths[0] and str(n) in orig]
+    if not tested or not beyond:
+        return _claim("c", text, None, "no passkey length fits both the prompt template and the targets")
+    detail = ("PoSE " + ", ".join(f"{n}: {pose[str(n)]:.2f}" for n in tested) + "; Original "
+              + ", ".join(f"{n}: {orig[str(n)]:.2f}" for n in tested if str(n) in orig))
+    held = all(pose[str(n)] >= PASSKEY_OK for n in tested) and all(orig[str(n)] <= PASSKEY_ZERO for n in beyond)
+    return _claim("c", text, held, detail)
+
+
+def claim_d(results: dict, lengths: list[int]) -> dict:
+    window = lengths[0]
+    text = (f"N = 1 fails beyond Lc (>= {FAILS:g}x PoSE N=2 at some length > Lc) and N = Lc (RandPos-like) "
+            f"hurts perplexity at Lc (>= {HURTS:g}x PoSE N=2)")
+    one = {n: (_ppl(results, "pose-linear-n1", n), _ppl(results, "pose-linear", n)) for n in lengths[1:]}
+    many = (_ppl(results, f"pose-linear-n{window}", window), _ppl(results, "pose-linear", window))
+    if any(None in p for p in one.values()) or None in many:
+        return _claim("d", text, None, "missing perplexities of the chunk ablation")
+    ratios = {n: a / b for n, (a, b) in one.items()}
+    hurt = many[0] / many[1]
+    detail = ("N=1 / N=2: " + ", ".join(f"{n}: {r:.2f}x" for n, r in ratios.items())
+              + f"; N={window} / N=2 at {window}: {_fmt(many[0])} / {_fmt(many[1])} = {hurt:.2f}x")
+    return _claim("d", text, max(ratios.values()) >= FAILS and hurt >= HURTS, detail)
+
+
+def claim_e(results: dict) -> dict:
+    text = (f"PoSE cost (time per step, peak memory) is flat in Lt (max/min <= {FLAT:g}) while Full-length "
+            f"grows (largest/smallest target >= {GROWS:g})")
+    table = results.get("cost_vs_target", {})
+    pose, full = table.get("pose", {}), table.get("full", {})
+    if len(pose) < 2 or len(full) < 2:
+        return _claim("e", text, None, "fewer than two targets timed")
+    parts, held = [], True
+    for key, unit in (("seconds_per_step", "s/step"), ("peak_memory_gb", "GiB")):
+        p = [pose[t][key] for t in sorted(pose, key=int)]
+        f = [full[t][key] for t in sorted(full, key=int)]
+        flat, grows = max(p) / min(p), f[-1] / f[0]
+        held = held and flat <= FLAT and grows >= GROWS
+        parts.append(f"{unit}: PoSE max/min {flat:.2f}, Full largest/smallest {grows:.2f}")
+    return _claim("e", text, held, "; ".join(parts))
+
+
+def claim_f(results: dict, lengths: list[int]) -> dict:
+    text = (f"For each schedule, Full ~ PoSE (within {CLOSE:.0%}) > schedule-only >> Original "
+            f"(>= {MUCH:g}x) at every length > Lc")
+    held, parts = True, []
+    for s in ("linear", "ntk", "yarn"):
+        for n in lengths[1:]:
+            full, pose = _ppl(results, f"full-{s}", n), _ppl(results, f"pose-{s}", n)
+            only, orig = _ppl(results, f"{s}-only", n), _ppl(results, "original", n)
+            if None in (full, pose, only, orig):
+                return _claim("f", text, None, f"missing perplexities for schedule {s} at {n}")
+            ok = abs(pose / full - 1) <= CLOSE and max(full, pose) < only and orig >= MUCH * only
+            held = held and ok
+            parts.append(f"{s}@{n}: Full {full:.3g}, PoSE {pose:.3g}, only {only:.3g}, Original {orig:.3g}"
+                         f" ({'ok' if ok else 'fails'})")
+    return _claim("f", text, held, "; ".join(parts))
+
+
+def check_claims(results: dict) -> list[dict]:
+    lengths = results["config"]["lengths"]
+    return [claim_a(results, lengths), claim_b(results, lengths), claim_c(results, lengths),
+            claim_d(results, lengths), claim_e(results), claim_f(results, lengths)]

@@ -1,0 +1,117 @@
+"""Simulator settings: the default (full) run, sized from DESIGN.md's feasibility run, and `--quick`."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import asdict, dataclass, fields
+
+#: Llama-2's ratio of pre-training window to longest RoPE wavelength, 4096 / (2 pi 10^4).
+LLAMA2_RATIO = 4096 / (2 * math.pi * 1e4)
+
+
+def matched_base(window: int) -> float:
+    """RoPE base b with window / (2 pi b) = 4096 / (2 pi 10^4), i.e. b = 10^4 * window / 4096."""
+    return window / (2 * math.pi * LLAMA2_RATIO)
+
+
+@dataclass
+class SimConfig:
+    out: str = "out/sim"
+    corpus: str | None = None  # folder of text; None: the interpreter's standard library
+    corpus_chars: int | None = None  # stop reading the corpus after this many characters
+    test_docs: int = 6
+    test_tokens: int = 8192  # each test document is cut to its first this many tokens
+    val_fraction: float = 0.02
+    vocab: int = 2048
+    window: int = 128  # Lc
+    factor: int = 8  # Lt = factor * Lc
+    rope_base: float | None = None  # None: matched_base(window)
+    hidden: int = 128
+    layers: int = 4
+    heads: int = 4
+    ffn: int = 320
+    pretrain_steps: int = 2000
+    pretrain_batch: int = 32
+    pretrain_lr: float = 1e-3
+    passkey_fraction: float = 0.05  # fraction of pre-training sequences that are synthetic passkey prompts
+    steps: int = 150  # fine-tuning updates per grid run
+    full_batch: int = 4  # full-length sequences per update; window methods use full_batch * Lt / Lc
+    lr: float = 2e-4
+    cost_steps: int = 20  # updates of the cost-only runs at shorter targets
+    passkey_trials: int = 20
+    seed: int = 0
+
+    @property
+    def target(self) -> int:
+        return self.window * self.factor
+
+    @property
+    def base(self) -> float:
+        return self.rope_base if self.rope_base is not None else matched_base(self.window)
+
+    @property
+    def lengths(self) -> list[int]:
+        """Evaluation lengths Lc, 2 Lc, 4 Lc, ..., Lt."""
+        out, n = [], self.window
+        while n < self.target:
+            out.append(n)
+            n *= 2
+        return out + [self.target]
+
+    @property
+    def window_batch(self) -> int:
+        """Sequences per update for window-length methods: same tokens per update as full-length."""
+        return self.full_batch * self.target // self.window
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "target": self.target, "base": self.base, "lengths": self.lengths,
+                "window_batch": self.window_batch}
+
+
+QUICK = dict(corpus_chars=400_000, test_docs=2, test_tokens=512, vocab=512, window=32, hidden=32, layers=2,
+             heads=2, ffn=64, pretrain_steps=30, pretrain_batch=8, pretrain_lr=3e-3, steps=3, full_batch=1,
+             lr=1e-3, cost_steps=2, passkey_trials=2, factor=8)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m pose_mlx.sim", description=(
+        "Small-scale simulator of the PoSE paper: pre-train a small llama at Lc, run the grid of context "
+        "extensions with pose_mlx.finetune, evaluate with pose_mlx.perplexity / pose_mlx.passkey, and write "
+        "report.md, results.json and PNGs. Every stage is cached in --out; rerun to resume."))
+    p.add_argument("--quick", action="store_true", help="toy sizes (the whole pipeline in a few minutes; for CI)")
+    defaults = SimConfig()
+    helps = {"corpus": "folder of text files (default: this interpreter's standard-library sources)",
+             "factor": "target Lt = factor * Lc (default 8)", "window": "pre-training window Lc",
+             "rope_base": "RoPE base (default: 10^4 * Lc / 4096, Llama-2's Lc / (2 pi base))",
+             "passkey_fraction": "fraction of pre-training sequences that are synthetic passkey prompts",
+             "full_batch": "full-length sequences per update; window methods use full_batch * Lt / Lc so that "
+                           "every run trains on the same number of tokens"}
+    for f in fields(SimConfig):
+        kind = {"int": int, "float": float}.get(str(f.type), str)
+        if f.name in ("corpus_chars", "rope_base"):
+            kind = int if f.name == "corpus_chars" else float
+        p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=None,
+                       help=f"{helps.get(f.name, f.name.replace('_', ' '))} (default {getattr(defaults, f.name)})")
+    return p
+
+
+def parse_config(argv=None) -> SimConfig:
+    """Flags -> SimConfig: the defaults, overlaid with QUICK under --quick, then the flags given."""
+    args = build_parser().parse_args(argv)
+    values = dict(QUICK) if args.quick else {}
+    if args.quick and args.out is None:
+        values["out"] = "out/sim-quick"
+    values.update({k: v for k, v in vars(args).items() if k != "quick" and v is not None})
+    config = SimConfig(**values)
+    for name in ("window", "factor", "vocab", "hidden", "layers", "heads", "ffn", "pretrain_steps",
+                 "pretrain_batch", "steps", "full_batch", "cost_steps", "passkey_trials", "test_docs"):
+        if getattr(config, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(config, name)}")
+    if config.factor < 2:
+        raise ValueError(f"--factor must be >= 2, got {config.factor}")
+    if not 0 <= config.passkey_fraction < 1:
+        raise ValueError(f"--passkey-fraction must be in [0, 1), got {config.passkey_fraction}")
+    if config.test_tokens < config.target:
+        raise ValueError(f"--test-tokens ({config.test_tokens}) must be >= the target {config.target}")
+    return config

@@ -1,0 +1,119 @@
+"""The simulator's corpus: documents split by file into train / val / test, a tokenizer, passkey prompts.
+
+- Test documents are the `test_docs` longest documents, each cut to its first `test_tokens` tokens; every one
+  must reach `test_tokens` (>= the largest target), else ValueError. The rest is split at random (seeded) by
+  document: a `val_fraction` share (at least one) is validation, the remainder training data.
+- The tokenizer (`tokenizer` arguments: a `tokenizers.Tokenizer` or a transformers / mlx-lm tokenizer) is `pose_mlx.toy.train_tokenizer` on the training split.
+- Synthetic passkey documents (for pre-training only, never for fine-tuning or evaluation): the evaluation's
+  own prompt (`pose_mlx.passkey.prompt_text`, random filler count and depth, 5-digit key) followed by the
+  answer " K." and trailing filler, sized so that the first `window` tokens (BOS included) hold the whole
+  prompt and answer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from .. import toy
+from ..data import read_documents
+
+
+def split_documents(texts: list[str], test_docs: int, val_fraction: float, seed: int) -> dict[str, list[str]]:
+    """{'train', 'val', 'test'}: the `test_docs` longest texts (longest first) are test; of the others, a seeded
+    random round(val_fraction * n) (at least 1) are validation and the rest training."""
+    if len(texts) < test_docs + 2:
+        raise ValueError(f"corpus: need at least test_docs + 2 = {test_docs + 2} documents, got {len(texts)}")
+    order = sorted(range(len(texts)), key=lambda i: (-len(texts[i]), i))
+    test, rest = order[:test_docs], sorted(order[test_docs:])
+    perm = np.random.default_rng(seed).permutation(len(rest))
+    n_val = max(1, round(val_fraction * len(rest)))
+    val = sorted(rest[i] for i in perm[:n_val])
+    train = sorted(rest[i] for i in perm[n_val:])
+    return {"train": [texts[i] for i in train], "val": [texts[i] for i in val], "test": [texts[i] for i in test]}
+
+
+def _write(folder: Path, texts: list[str]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, text in enumerate(texts):
+        (folder / f"{i:05d}.txt").write_text(text, encoding="utf-8")
+
+
+def _hf_tokenizer(folder: Path):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(folder / "tokenizer.json"))
+
+
+def cut_to_tokens(tokenizer, text: str, n: int) -> str | None:
+    """The prefix of `text` holding its first `n` tokens (None when it has fewer)."""
+    encoding = tokenizer.encode(text, add_special_tokens=False)
+    if len(encoding.ids) < n:
+        return None
+    return text[: encoding.offsets[n - 1][1]]
+
+
+def build_corpus(folder: Path, source: str | None, max_chars: int | None, test_docs: int, test_tokens: int,
+                 val_fraction: float, vocab: int, seed: int) -> dict:
+    """Write folder/{train,val,test}/*.txt and folder/tokenizer/; returns (and writes) folder/corpus.json."""
+    folder = Path(folder)
+    if source is None:
+        texts = toy.stdlib_texts(max_chars=max_chars)
+    else:
+        texts, total = [], 0
+        for text in read_documents(source):
+            texts.append(text)
+            total += len(text)
+            if max_chars is not None and total >= max_chars:
+                break
+    splits = split_documents(texts, test_docs, val_fraction, seed)
+    toy.train_tokenizer(splits["train"], folder / "tokenizer", vocab)
+    tokenizer = _hf_tokenizer(folder / "tokenizer")
+    test = [cut_to_tokens(tokenizer, t, test_tokens) for t in splits["test"]]
+    if any(t is None for t in test):
+        short = min(len(tokenizer.encode(t, add_special_tokens=False).ids) for t in splits["test"])
+        raise ValueError(f"corpus: the shortest of the {test_docs} longest documents has {short} tokens, fewer "
+                         f"than --test-tokens {test_tokens}; use fewer --test-docs or a shorter target")
+    _write(folder / "train", splits["train"])
+    _write(folder / "val", splits["val"])
+    _write(folder / "test", test)
+    info = {"source": source or "stdlib", "documents": {k: len(v) for k, v in splits.items()},
+            "characters": {k: sum(map(len, v)) for k, v in splits.items()}, "test_tokens": test_tokens,
+            "vocab": vocab}
+    (folder / "corpus.json").write_text(json.dumps(info, indent=1) + "\n")
+    return info
+
+
+def passkey_documents(tokenizer, count: int, window: int, seed: int) -> list[str]:
+    """`count` passkey prompts with answers whose first `window` tokens (with BOS) hold prompt and answer.
+
+    Empty when even the prompt with no filler does not fit `window` (then no passkey data is mixed in)."""
+    from ..passkey import FILLER, prompt_text
+
+    def size(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    def document(n: int, depth: float, key: int) -> str:
+        return prompt_text(n, depth, key) + f" {key}."
+
+    if count <= 0 or size(document(0, 0.5, 99_999)) + 1 > window:
+        return []
+    n_max = 0
+    while max(size(document(n_max + 1, d, 99_999)) for d in (0.0, 0.5, 1.0)) + 3 <= window:
+        n_max += 1
+    tail = " ".join(FILLER[i % len(FILLER)] for i in range(window))  # >= window tokens: the doc fills a block
+    rng = np.random.default_rng(seed)
+    docs = []
+    for _ in range(count):
+        n, depth, key = int(rng.integers(0, n_max + 1)), float(rng.uniform()), int(rng.integers(10_000, 100_000))
+        docs.append(document(n, depth, key) + "\n" + tail)
+    return docs
+
+
+def write_passkey_file(path: Path, texts: list[str]) -> Path:
+    """One .jsonl document per line (field 'text'), the format `pose_mlx.data` reads."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return path

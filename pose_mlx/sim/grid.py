@@ -1,0 +1,122 @@
+"""The grid: every run is one call of `pose_mlx.finetune.main`, every evaluation one call of
+`pose_mlx.perplexity.main` / `pose_mlx.passkey.main` (their JSON outputs are what the report reads).
+
+Runs train on the same number of tokens: `steps` updates of `full_batch` sequences of Lt tokens (full-length)
+or `full_batch * Lt / Lc` sequences of Lc tokens (every other method). 'Original' and the schedule-only
+baselines ('PI-only', ...) are `--method none` runs: the pre-trained model patched and exported, no training
+('Original' with the identity schedule `none`). Cost runs repeat PoSE and full-length at shorter targets with
+`cost_steps` updates, only to time them.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .. import finetune, passkey, perplexity
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    label: str
+    method: str  # finetune --method: none, pose, randpos, full
+    scaling: str = "linear"
+    chunks: int = 2
+    content: str = "uniform"
+    factor: int | None = None  # None: the simulator's factor
+    cost_only: bool = False
+
+
+def grid_runs(window: int, factor: int) -> list[Run]:
+    """Original; schedule-only baselines; full-length, PoSE (linear / ntk / yarn); RandPos; chunk ablation
+    N in {1, 2, 3, Lc}; content ablation (uniform / zero / aligned); cost runs at Lt = 2 Lc .. Lt / 2."""
+    runs = [Run("original", "Original", "none", "none")]
+    runs += [Run(f"{s}-only", f"{'PI' if s == 'linear' else s.upper() if s == 'ntk' else 'YaRN'}-only", "none", s)
+             for s in ("linear", "ntk", "yarn")]
+    for s in ("linear", "ntk", "yarn"):
+        runs.append(Run(f"full-{s}", f"Full-length + {s}", "full", s))
+        runs.append(Run(f"pose-{s}", f"PoSE + {s}", "pose", s))
+    runs.append(Run("randpos-linear", "RandPos + linear", "randpos", "linear"))
+    for n in sorted({1, 3, window}):
+        runs.append(Run(f"pose-linear-n{n}", f"PoSE N={n}", "pose", "linear", chunks=n))
+    for content in ("zero", "aligned"):
+        runs.append(Run(f"pose-linear-{content}", f"PoSE v_i {content}", "pose", "linear", content=content))
+    f = 2
+    while f < factor:
+        for method in ("pose", "full"):
+            runs.append(Run(f"cost-{method}-{f}x", f"{method} @ {f}x", method, "linear", factor=f, cost_only=True))
+        f *= 2
+    return runs
+
+
+def finetune_args(run: Run, model: Path, data: Path, cache: Path, output: Path, *, window: int, factor: int,
+                  steps: int, cost_steps: int, full_batch: int, lr: float, seed: int) -> list[str]:
+    """The `pose_mlx.finetune` command line of `run` (full fine-tuning, no progress bar)."""
+    f = run.factor or factor
+    args = ["--model", str(model), "--original", str(window), "--target", f"{f}x", "--scaling", run.scaling,
+            "--method", run.method, "--output", str(output)]
+    if run.method == "none":
+        return args
+    batch = full_batch if run.method == "full" else full_batch * f
+    args += ["--full", "--data", str(data), "--cache-dir", str(cache), "--chunks", str(run.chunks),
+             "--content", run.content, "--steps", str(cost_steps if run.cost_only else steps),
+             "--batch-size", str(batch), "--lr", str(lr), "--warmup", str(max(1, steps // 10)),
+             "--seed", str(seed), "--save-every", str(max(1, steps // 5)), "--no-progress"]
+    if (output.with_name(output.name + ".partial") / "run.json").is_file():
+        args.append("--resume")
+    elif output.with_name(output.name + ".partial").exists():
+        args.append("--overwrite")
+    return args
+
+
+def run_finetune(args: list[str]) -> None:
+    code = finetune.main(args)
+    if code:
+        raise RuntimeError(f"pose_mlx.finetune {' '.join(args)} failed with exit code {code}")
+
+
+def cost(folder: Path) -> dict | None:
+    """Median seconds per update (first update, which compiles, left out), peak memory, tokens per update,
+    from the run's train_log.jsonl; None for untrained runs."""
+    log_path = Path(folder) / "train_log.jsonl"
+    if not log_path.is_file():
+        return None
+    log = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    timed = log[1:] or log
+    return {"seconds_per_step": statistics.median(r["seconds"] for r in timed),
+            "peak_memory_gb": max(r["peak_memory_gb"] for r in log), "tokens_per_step": log[-1]["tokens"],
+            "final_loss": log[-1]["loss"], "steps": len(log)}
+
+
+def evaluate_perplexity(model: Path, test: Path, lengths: list[int], docs: int, output: Path) -> None:
+    """Non-overlapping windows (stride capped at W-1) over whole test documents, every length."""
+    code = perplexity.main(["--model", str(model), "--data", str(test), "--lengths", ",".join(map(str, lengths)),
+                            "--stride", str(max(lengths)), "--docs", str(docs), "--min-doc-tokens", str(max(lengths)),
+                            "--no-truncate", "--output", str(output), "--no-progress"])
+    if code:
+        raise RuntimeError(f"pose_mlx.perplexity on {model} failed with exit code {code}")
+
+
+def evaluate_passkey(model: Path, lengths: list[int], trials: int, seed: int, output: Path) -> None:
+    code = passkey.main(["--model", str(model), "--lengths", ",".join(map(str, lengths)), "--trials", str(trials),
+                         "--seed", str(seed), "--output", str(output), "--no-progress"])
+    if code:
+        raise RuntimeError(f"pose_mlx.passkey on {model} failed with exit code {code}")
+
+
+def passkey_template_tokens(tokenizer) -> int:
+    """Tokens (BOS included) of the passkey prompt with no filler: shorter lengths cannot be tested."""
+    return 1 + len(tokenizer.encode(passkey.prompt_text(0, 0.5, 99_999), add_special_tokens=False))
+
+
+def collect(run: Run, folder: Path, ppl_json: Path | None, passkey_json: Path | None) -> dict:
+    """One run's entry of results.json."""
+    entry = {"spec": asdict(run), "cost": cost(folder), "ppl": {}, "passkey": {}}
+    if ppl_json is not None and ppl_json.is_file():
+        entry["ppl"] = {str(r["length"]): r["ppl"] for r in json.loads(ppl_json.read_text())["results"]}
+    if passkey_json is not None and passkey_json.is_file():
+        entry["passkey"] = {str(a["length"]): a["accuracy"] for a in json.loads(passkey_json.read_text())["accuracy"]}
+    return entry

@@ -1,0 +1,110 @@
+"""Pre-training the simulator's base model from scratch at window Lc with `pose_mlx.train.train`.
+
+The model is a random mlx-lm llama (`pose_mlx.toy`), patched with `pose_mlx.extend(model, "none", Lc, Lc)`
+(the raw RoPE frequencies, so explicit position ids work) and trained with the fine-tuning loop on
+contiguous positions 0..Lc-1. Documents are cut into consecutive blocks of Lc tokens (`block_corpus`);
+each example is one block drawn at random. With `passkey_fraction` f > 0, K = f / (1 - f) x (text blocks)
+synthetic passkey prompts (`corpus.passkey_documents`, one block each) join them, so a share f of the
+sequences drawn are passkey prompts with their answer (none when the prompt template does not fit Lc); (the data stream's 'contiguous' method takes a document prefix,
+so a block per "document" makes every part of a file trainable). Checkpoints live in
+`<folder>.partial/`, so an interrupted pre-training resumes; the finished model is written to `<folder>`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from .. import toy
+from ..data import ExampleStream, TokenizedCorpus, tokenize_corpus
+from .corpus import passkey_documents, write_passkey_file
+
+
+def block_corpus(corpora: list[TokenizedCorpus], window: int,
+                 max_blocks: list[int | None] | None = None) -> TokenizedCorpus:
+    """One corpus whose documents are the consecutive, non-overlapping `window`-token blocks of every
+    document of `corpora` (a document's last partial block is dropped; at most `max_blocks[k]` blocks per
+    document of corpus k, None: all)."""
+    if window < 2:
+        raise ValueError(f"window must be >= 2, got {window}")
+    max_blocks = max_blocks or [None] * len(corpora)
+    if len(max_blocks) != len(corpora):
+        raise ValueError(f"max_blocks must have one entry per corpus ({len(corpora)}), got {len(max_blocks)}")
+    pieces, starts, base = [], [], 0
+    for corpus, limit in zip(corpora, max_blocks):
+        for i in range(corpus.num_docs):
+            doc = np.asarray(corpus.doc(i))
+            n = len(doc) // window if limit is None else min(len(doc) // window, limit)
+            if n:
+                pieces.append(doc[: n * window])
+                starts.append(base + window * np.arange(n))
+                base += n * window
+    if not pieces:
+        raise ValueError(f"no document has >= {window} tokens")
+    tokens = np.concatenate(pieces).astype(np.int32)
+    offsets = np.append(np.concatenate(starts), base).astype(np.int64)
+    key = hashlib.sha256(("|".join(c.fingerprint for c in corpora) + f"|blocks{window}").encode()).hexdigest()[:16]
+    return TokenizedCorpus(tokens, offsets, np.arange(len(offsets) - 1), key, {"window": window})
+
+
+def pretrain(folder: Path, tokenizer_dir: Path, train_dir: Path, val_dir: Path, cache_dir: Path, *,
+             passkey_fraction: float, window: int, base: float, hidden: int, layers: int, heads: int, ffn: int,
+             steps: int, batch: int, lr: float, seed: int, progress: bool = False) -> dict:
+    """Pre-train and write the model folder `folder` (loads with mlx_lm.load); returns pretrain.json's record."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm import load
+
+    from ..patch import extend
+    from ..train import TrainConfig, evaluate, train
+
+    folder = Path(folder)
+    partial = folder.with_name(folder.name + ".partial")
+    init = partial / "init"
+    if not (init / "config.json").is_file():
+        toy.make_model_folder(init, tokenizer_from=tokenizer_dir, hidden_size=hidden, num_layers=layers,
+                              num_heads=heads, intermediate_size=ffn, max_position_embeddings=window,
+                              rope_theta=base, seed=seed)
+    model, tokenizer = load(str(init))
+    config = json.loads((init / "config.json").read_text())
+    extend(model, "none", window, window)
+    text = tokenize_corpus(train_dir, tokenizer, cache_dir, window, progress=progress)
+    text_blocks = block_corpus([text], window).num_docs
+    # K passkey blocks among text_blocks + K: a passkey_fraction share of the sequences drawn
+    count = round(passkey_fraction / (1 - passkey_fraction) * text_blocks)
+    passkey_texts = passkey_documents(tokenizer, count, window, seed)
+    sources = [text]
+    if passkey_texts:
+        passkey_file = write_passkey_file(partial / "passkey.jsonl", passkey_texts)
+        sources.append(tokenize_corpus(passkey_file, tokenizer, cache_dir, window, progress=progress))
+    blocks = block_corpus(sources, window, [None, 1][: len(sources)])
+    pad = tokenizer.eos_token_id or 0
+    stream = ExampleStream(blocks, window, window, method="contiguous", batch_size=batch, seed=seed, pad_id=pad)
+    resume = (partial / "checkpoint").exists()
+    tconfig = TrainConfig(steps=steps, lr=lr, warmup=max(1, steps // 20), save_every=max(1, steps // 10),
+                          progress=progress)
+    last = train(model, stream, tconfig, partial, resume=resume)
+    val = block_corpus([tokenize_corpus(val_dir, tokenizer, cache_dir, window, progress=progress)], window)
+    val_stream = ExampleStream(val, window, window, method="contiguous", batch_size=batch, seed=seed + 1,
+                               pad_id=pad)
+    val_loss = evaluate(model, itertools.islice(iter(val_stream), 10))
+    log = [json.loads(line) for line in (partial / "log.jsonl").read_text().splitlines() if line.strip()]
+    record = {"steps": steps, "batch": batch, "window": window, "lr": lr, "rope_base": base,
+              "train_tokens": int(sum(r["tokens"] for r in log)), "blocks": blocks.num_docs,
+              "passkey_blocks": blocks.num_docs - text_blocks, "final_loss": last["loss"], "val_loss": val_loss,
+              "val_ppl": float(np.exp(val_loss)), "seconds": float(sum(r["seconds"] for r in log)),
+              "parameters": int(sum(v.size for _, v in tree_flatten(model.parameters())))}
+    mx.eval(model.parameters())
+    temp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(temp, ignore_errors=True)
+    toy.save_model_folder(model, config, tokenizer_dir, temp)
+    (temp / "pretrain.json").write_text(json.dumps(record, indent=1) + "\n")
+    shutil.copyfile(partial / "log.jsonl", temp / "train_log.jsonl")
+    temp.rename(folder)
+    shutil.rmtree(partial, ignore_errors=True)
+    return record

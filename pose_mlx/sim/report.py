@@ -1,0 +1,120 @@
+"""report.md and PNGs from results.json's dict (tables shaped like the PoSE paper's)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..plots import line_vs_length
+
+#: (file stem, title, runs) of each perplexity table / figure.
+TABLES = (
+    ("ppl_main", "Perplexity of the baselines and PoSE (cf. paper Table 1 / Figure 3a)",
+     ("original", "linear-only", "full-linear", "randpos-linear", "pose-linear")),
+    ("ppl_schedules", "PoSE and full-length with each RoPE schedule (cf. paper Table 4)",
+     ("linear-only", "ntk-only", "yarn-only", "full-linear", "full-ntk", "full-yarn", "pose-linear", "pose-ntk",
+      "pose-yarn")),
+    ("ppl_chunks", "Chunk-number ablation N (cf. paper Table 5)", ("pose-linear-n1", "pose-linear",
+                                                                   "pose-linear-n3", "pose-linear-n{window}")),
+    ("ppl_content", "Content offsets v_i ablation (cf. paper Table 6)", ("pose-linear", "pose-linear-zero",
+                                                                        "pose-linear-aligned")),
+)
+
+
+def _runs(results: dict, names) -> list[str]:
+    window = results["config"]["window"]
+    names = [n.format(window=window) for n in names]
+    return list(dict.fromkeys(n for n in names if n in results["runs"]))
+
+
+def _label(results: dict, name: str) -> str:
+    return results["runs"][name]["spec"]["label"]
+
+
+def metric_table(results: dict, names, key: str, fmt: str) -> str:
+    lengths = results["config"]["lengths"]
+    lines = ["| model | " + " | ".join(map(str, lengths)) + " |", "|---|" + "---|" * len(lengths)]
+    for name in names:
+        values = results["runs"][name][key]
+        lines.append(f"| {_label(results, name)} | "
+                     + " | ".join(format(values[str(n)], fmt) if str(n) in values else "-" for n in lengths) + " |")
+    return "\n".join(lines)
+
+
+def cost_table(results: dict) -> str:
+    lines = ["| method | target | s / step | tokens / step | peak memory (GiB) |", "|---|---|---|---|---|"]
+    for method, rows in results.get("cost_vs_target", {}).items():
+        for target in sorted(rows, key=int):
+            r = rows[target]
+            lines.append(f"| {method} | {target} | {r['seconds_per_step']:.3f} | {r['tokens_per_step']} | "
+                         f"{r['peak_memory_gb']:.3f} |")
+    return "\n".join(lines)
+
+
+def plots(results: dict, folder: Path) -> list[Path]:
+    folder = Path(folder)
+    lengths, window = results["config"]["lengths"], results["config"]["window"]
+    out = []
+    for stem, title, names in TABLES:
+        names = [n for n in _runs(results, names) if results["runs"][n]["ppl"]]
+        if names:
+            series = {_label(results, n): [results["runs"][n]["ppl"].get(str(L), float("nan")) for L in lengths]
+                      for n in names}
+            out.append(line_vs_length(folder / f"{stem}.png", lengths, series, "perplexity (log scale)", title[:60],
+                                      log_y=True, mark=window))
+    keys = [n for n in ("original", "linear-only", "full-linear", "randpos-linear", "pose-linear", "pose-yarn")
+            if results["runs"].get(n, {}).get("passkey")]
+    if keys:
+        tested = sorted({int(L) for n in keys for L in results["runs"][n]["passkey"]})
+        series = {_label(results, n): [results["runs"][n]["passkey"].get(str(L), float("nan")) for L in tested]
+                  for n in keys}
+        out.append(line_vs_length(folder / "passkey.png", tested, series, "accuracy",
+                                  "Passkey retrieval (cf. paper Figure 3b)", ylim=(-0.05, 1.05), mark=window))
+    cost = results.get("cost_vs_target", {})
+    for key, ylabel in (("seconds_per_step", "seconds per update"), ("peak_memory_gb", "peak memory (GiB)")):
+        targets = sorted({int(t) for rows in cost.values() for t in rows})
+        if targets:
+            series = {m: [rows.get(str(t), {}).get(key, float("nan")) for t in targets] for m, rows in cost.items()}
+            out.append(line_vs_length(folder / f"cost_{key.split('_')[0]}.png", targets, series, ylabel,
+                                      "Training cost vs target length (cf. paper Figure 2b)"))
+    return out
+
+
+def write_report(results: dict, folder: Path, pngs: list[Path]) -> Path:
+    c, pre = results["config"], results["pretrain"]
+    held = {True: "**held**", False: "**did not hold**", None: "not evaluated"}
+    parts = [
+        "# PoSE simulator report", "",
+        f"Command: `python -m pose_mlx.sim {results['argv']}` — wall time of this invocation "
+        f"{results['wall_seconds']:.0f} s (cached stages are not re-run).", "",
+        f"Model: llama, hidden {c['hidden']}, {c['layers']} layers, {c['heads']} heads, FFN {c['ffn']}, vocabulary "
+        f"{c['vocab']}, {pre['parameters']:,} parameters, RoPE base {c['base']:.4g} (Lc / (2 pi base) = "
+        f"{c['window'] / (6.283185307 * c['base']):.4f}, Llama-2: 0.0652). Pre-trained at Lc = {c['window']} on "
+        f"{pre['train_tokens']:,} tokens ({pre['steps']} steps, {pre['passkey_blocks']} of {pre['blocks']} blocks "
+        f"are synthetic passkey prompts); validation perplexity {pre['val_ppl']:.2f}.", "",
+        f"Grid: target Lt = {c['target']} ({c['factor']}x); every run is `pose_mlx.finetune --full` with "
+        f"{c['steps']} updates of {c['full_batch']} x {c['target']} (full-length) or {c['window_batch']} x "
+        f"{c['window']} tokens (other methods), lr {c['lr']:g}. Corpus: {results['corpus']['source']} "
+        f"({results['corpus']['documents']}); test = the {c['test_docs']} longest documents, first "
+        f"{c['test_tokens']} tokens each.", "",
+        "## Claims", "",
+    ]
+    for claim in results["claims"]:
+        parts.append(f"- ({claim['id']}) {claim['claim']}: {held[claim['held']]}. {claim['detail']}")
+    parts += ["", "## Perplexity", "",
+              "Token-weighted sliding-window perplexity on the test documents (non-overlapping windows, "
+              "BOS + W-1 tokens; `pose_mlx.perplexity`).", ""]
+    for stem, title, names in TABLES:
+        names = _runs(results, names)
+        if names:
+            parts += [f"### {title}", "", metric_table(results, names, "ppl", ".2f"), "", f"![{stem}]({stem}.png)", ""]
+    passkey_runs = [n for n, r in results["runs"].items() if r["passkey"]]
+    parts += ["## Passkey retrieval", "", f"Accuracy over {c['passkey_trials']} trials per length "
+              "(`pose_mlx.passkey`; lengths shorter than the prompt template are not tested).", ""]
+    if passkey_runs:
+        parts += [metric_table(results, passkey_runs, "passkey", ".2f"), "", "![passkey](passkey.png)", ""]
+    parts += ["## Cost", "", "Median seconds per update (first update left out) and peak memory of training "
+              "(cf. paper Figure 2b).", "", cost_table(results), ""]
+    parts += [f"![{p.stem}]({p.name})" for p in pngs if p.stem.startswith("cost_")]
+    path = Path(folder) / "report.md"
+    path.write_text("\n".join(parts) + "\n")
+    return path

@@ -1,0 +1,161 @@
+"""The simulator (`python -m pose_mlx.sim`): --quick end to end, resume, and its parts against hand-made cases.
+
+Runtime: ~15-25 s on 2 cores (the --quick pipeline twice: once fresh, once fully cached).
+"""
+
+import io
+import json
+import re
+
+import numpy as np
+import pytest
+
+from pose_mlx.data import TokenizedCorpus
+from pose_mlx.sim import __main__ as sim
+from pose_mlx.sim import claims
+from pose_mlx.sim.config import matched_base, parse_config
+from pose_mlx.sim.corpus import passkey_documents, split_documents
+from pose_mlx.sim.pretrain import block_corpus
+from pose_mlx.sim.stages import Stages
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sim")
+    assert sim.main(["--quick", "--out", str(out)]) == 0
+    return out
+
+
+def test_quick_writes_report_results_and_plots(quick):
+    report = (quick / "report.md").read_text()
+    results = json.loads((quick / "results.json").read_text())
+    for png in ("ppl_main", "ppl_schedules", "ppl_chunks", "ppl_content", "passkey", "cost_seconds", "cost_peak"):
+        assert (quick / f"{png}.png").stat().st_size > 1000
+        assert f"({png}.png)" in report
+    assert "## Claims" in report
+    assert [c["id"] for c in results["claims"]] == list("abcdef")
+    for claim in results["claims"]:
+        assert claim["held"] in (True, False), claim  # every claim is evaluated at toy size too
+        assert re.search(r"\d", claim["detail"])
+        verdict = "**held**" if claim["held"] else "**did not hold**"
+        assert f"({claim['id']}) {claim['claim']}: {verdict}" in report
+
+
+def test_quick_numbers_come_from_the_evaluators_and_finetune(quick):
+    results = json.loads((quick / "results.json").read_text())
+    c = results["config"]
+    assert c["lengths"] == [c["window"] * 2**k for k in range(4)] and c["target"] == 8 * c["window"]
+    for name, run in results["runs"].items():
+        ppl = json.loads((quick / "eval" / f"{name}.ppl.json").read_text())["results"]
+        assert run["ppl"] == {str(r["length"]): r["ppl"] for r in ppl}
+        schedule = json.loads((quick / "runs" / name / "pose_mlx.json").read_text())["schedule"]
+        assert schedule["method"] == run["spec"]["scaling"] and schedule["target_length"] == c["target"]
+    # same tokens per update: full_batch sequences of Lt tokens or full_batch * Lt / Lc of Lc tokens (L-1 targets each)
+    assert results["runs"]["full-linear"]["cost"]["tokens_per_step"] == c["full_batch"] * (c["target"] - 1)
+    assert results["runs"]["pose-linear"]["cost"]["tokens_per_step"] == \
+        c["full_batch"] * c["target"] // c["window"] * (c["window"] - 1)
+    assert results["runs"]["original"]["cost"] is None  # --method none: no training
+    assert sorted(results["cost_vs_target"]["full"], key=int) == [str(c["window"] * f) for f in (2, 4, 8)]
+
+
+def test_quick_rerun_resumes_from_cache(quick, capsys):
+    before = json.loads((quick / "results.json").read_text())
+    assert sim.main(["--quick", "--out", str(quick)]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert lines and all(line.endswith(": cached") for line in lines)
+    after = json.loads((quick / "results.json").read_text())
+    assert after["runs"] == before["runs"] and after["claims"] == before["claims"]
+
+
+def test_passkey_documents_hold_prompt_and_answer_in_the_first_window(quick):
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(quick / "corpus" / "tokenizer" / "tokenizer.json"))
+    window = 320
+    docs = passkey_documents(tokenizer, 20, window, seed=1)
+    assert len(docs) == 20
+    for doc in docs:
+        key = re.search(r"The pass key is (\d{5})\.", doc).group(1)
+        answer_end = doc.index(f"The pass key is {key}.", doc.index("What is the pass key?")) + len(key) + 17
+        assert len(tokenizer.encode(doc[:answer_end], add_special_tokens=False)) + 1 <= window  # + BOS
+        assert len(tokenizer.encode(doc, add_special_tokens=False)) + 2 >= window  # fills a whole block
+    assert passkey_documents(tokenizer, 5, 16, seed=0) == []  # template does not fit: no passkey data
+
+
+def test_split_documents_by_length_and_seed():
+    texts = ["x" * n for n in (5, 50, 7, 40, 3, 9, 8, 6, 4, 2, 1, 30)]
+    parts = split_documents(texts, test_docs=3, val_fraction=0.2, seed=0)
+    assert parts["test"] == ["x" * 50, "x" * 40, "x" * 30]
+    assert len(parts["val"]) == 2 and len(parts["train"]) == 7  # round(0.2 * 9)
+    assert sorted(parts["train"] + parts["val"] + parts["test"]) == sorted(texts)
+    assert split_documents(texts, 3, 0.2, seed=0) == parts
+    with pytest.raises(ValueError, match="test_docs"):
+        split_documents(texts[:4], 3, 0.2, 0)
+
+
+def test_block_corpus_cuts_consecutive_blocks():
+    tokens = np.arange(23, dtype=np.int32)
+    offsets = np.array([0, 10, 13, 23])  # documents of 10, 3 and 10 tokens
+    corpus = TokenizedCorpus(tokens, offsets, np.arange(3), "fp")
+    blocks = block_corpus([corpus], 4)
+    assert [list(blocks.doc(i)) for i in range(blocks.num_docs)] == [
+        [0, 1, 2, 3], [4, 5, 6, 7], [13, 14, 15, 16], [17, 18, 19, 20]]
+    first = block_corpus([corpus, corpus], 4, [None, 1])
+    assert first.num_docs == 6 and list(first.doc(5)) == [13, 14, 15, 16]
+    with pytest.raises(ValueError, match="window"):
+        block_corpus([corpus], 1)
+
+
+def test_config_base_matches_llama2_ratio_and_validates():
+    assert matched_base(128) == pytest.approx(10_000 * 128 / 4096)  # 4096 / (2 pi 1e4) = 128 / (2 pi b)
+    config = parse_config([])
+    assert (config.window, config.target, config.base, config.window_batch) == (128, 1024, 312.5, 32)
+    assert parse_config(["--quick"]).out == "out/sim-quick"
+    with pytest.raises(ValueError, match="--passkey-fraction"):
+        parse_config(["--passkey-fraction", "1"])
+    with pytest.raises(ValueError, match="--test-tokens"):
+        parse_config(["--test-tokens", "1000"])
+
+
+def _results(ppl: dict, cost=None, passkey=None) -> dict:
+    names = set(ppl) | set(passkey or {})
+    runs = {name: {"ppl": {str(k): v for k, v in ppl.get(name, {}).items()}, "passkey": (passkey or {}).get(name, {})}
+            for name in names}
+    return {"config": {"lengths": [4, 8]}, "runs": runs, "cost_vs_target": cost or {}}
+
+
+def test_claims_follow_their_thresholds():
+    r = _results({"original": {4: 10.0, 8: 120.0}, "pose-linear": {4: 10.4, 8: 10.0},
+                  "full-linear": {4: 10.0, 8: 10.0}})
+    assert claims.claim_a(r, [4, 8])["held"] and claims.claim_b(r, [4, 8])["held"]
+    r["runs"]["original"]["ppl"]["8"] = 90.0  # 9x < 10x
+    r["runs"]["pose-linear"]["ppl"]["4"] = 10.6  # +6% > 5%
+    assert claims.claim_a(r, [4, 8])["held"] is False and claims.claim_b(r, [4, 8])["held"] is False
+    assert "+6.0%" in claims.claim_b(r, [4, 8])["detail"]
+    assert claims.claim_d(r, [4, 8])["held"] is None  # chunk ablation missing: not evaluated
+
+
+def test_claim_e_and_c():
+    flat = {"seconds_per_step": 1.0, "peak_memory_gb": 1.0}
+    cost = {"pose": {"8": flat, "16": {"seconds_per_step": 1.2, "peak_memory_gb": 1.1}},
+            "full": {"8": flat, "16": {"seconds_per_step": 1.6, "peak_memory_gb": 2.0}}}
+    assert claims.claim_e(_results({}, cost))["held"] is True
+    cost["full"]["16"]["seconds_per_step"] = 1.4
+    assert claims.claim_e(_results({}, cost))["held"] is False
+    passkey = {"pose-linear": {"4": 1.0, "8": 0.9}, "original": {"4": 1.0, "8": 0.1}}
+    assert claims.claim_c(_results({}, passkey=passkey), [4, 8])["held"] is True
+    passkey["original"]["8"] = 0.2
+    assert claims.claim_c(_results({}, passkey=passkey), [4, 8])["held"] is False
+
+
+def test_stages_skip_cached_and_report_eta():
+    out = io.StringIO()
+    stages = Stages({"a": 1.0, "b": 3.0, "c": 1.0}, stream=out)
+    calls = []
+    stages.run("a", lambda: True, lambda: calls.append("a"))
+    stages.run("b", lambda: False, lambda: calls.append("b"))
+    assert calls == ["b"]
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "[1/3] a: cached" and lines[1] == "[2/3] b: running"
+    assert re.fullmatch(r"\[2/3\] b: done in \d+ s; ETA \d+ s", lines[2])
+    assert stages.eta() == pytest.approx(stages.seconds / 3.0 * 1.0)
