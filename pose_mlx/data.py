@@ -25,7 +25,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from .positions import CONTENT, METHODS, sample_example
+from .positions import CONTENT, METHODS, Example, sample_example
 
 SUFFIXES = (".txt", ".md", ".py", ".jsonl")
 CACHE_VERSION = 1
@@ -437,11 +437,17 @@ class ExampleStream:
     ``load_state_dict()`` save and restore it, so a resumed stream yields exactly the batches the original
     would have. ``mask_chunk_boundary=False`` follows the paper and the authors' code (every target counts,
     including the first token of a chunk, predicted across the position skip); True masks those targets.
+
+    Data-parallel shards: with ``world`` W > 1 each batch draws W * ``batch_size`` examples (the draws a
+    single stream with batch W * ``batch_size`` makes) and keeps rows ``rank * batch_size`` to
+    ``(rank + 1) * batch_size - 1``, so the W ranks together see exactly the single stream's batch.
     """
 
     def __init__(self, corpus: TokenizedCorpus, window: int, target: int, method: str = "pose", chunks: int = 2,
                  content: str = "uniform", batch_size: int = 1, seed: int = 0, pad_id: int = 0,
-                 mask_chunk_boundary: bool = False):
+                 mask_chunk_boundary: bool = False, rank: int = 0, world: int = 1):
+        if not 0 <= rank < world:
+            raise ValueError(f"rank must be in [0, world={world}), got {rank}")
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         if content not in CONTENT:
@@ -452,12 +458,13 @@ class ExampleStream:
         self.method, self.chunks, self.content = method, chunks, content
         self.batch_size, self.seed, self.pad_id = int(batch_size), seed, pad_id
         self.mask_chunk_boundary = mask_chunk_boundary
+        self.rank, self.world = rank, world
         need = required_length(window, target, method, content)
         self.length = target if method == "full" else window  # tokens per example
         if self.length < 2:
             raise ValueError(f"an example needs >= 2 tokens (one input, one target), got {self.length}")
         sample_example(need, window, target, method, chunks, content, rng=0)  # validates the arguments
-        lengths = corpus.lengths
+        self.doc_lengths = lengths = corpus.lengths
         self.eligible = np.flatnonzero(lengths >= need)
         if len(self.eligible) == 0:
             longest = int(lengths.max()) if len(lengths) else 0
@@ -468,25 +475,29 @@ class ExampleStream:
 
     @property
     def tokens_per_batch(self) -> int:
-        """Target tokens per batch, batch_size * (L - 1) (before any boundary masking)."""
+        """Target tokens per batch of this rank, batch_size * (L - 1) (before any boundary masking)."""
         return self.batch_size * (self.length - 1)
 
-    def _example(self) -> tuple[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    def _draw(self) -> tuple[int, Example]:
+        """A document index and an example layout for it (consumes the generator; reads no tokens)."""
         doc = int(self.eligible[self.rng.integers(len(self.eligible))])
-        tokens = self.corpus.doc(doc)
-        example = sample_example(len(tokens), self.window, self.target, self.method, self.chunks, self.content,
-                                 rng=self.rng)
-        x = np.asarray(tokens[example.token_index()], dtype=np.int32)
+        return doc, sample_example(int(self.doc_lengths[doc]), self.window, self.target, self.method, self.chunks,
+                                   self.content, rng=self.rng)
+
+    def _materialize(self, doc: int, example: Example) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(tokens, position ids, target mask) of one drawn example."""
+        x = np.asarray(self.corpus.doc(doc)[example.token_index()], dtype=np.int32)
         mask = np.ones(len(x) - 1, dtype=np.float32)
         if self.mask_chunk_boundary:
             starts = np.cumsum([n for _, n in example.spans])[:-1]  # index in x of each later chunk's first token
             mask[starts - 1] = 0.0
-        return doc, (x, example.position_ids, mask)
+        return x, example.position_ids, mask
 
     def next_batch(self) -> Batch:
-        drawn = [self._example() for _ in range(self.batch_size)]
+        drawn = [self._draw() for _ in range(self.batch_size * self.world)]
+        mine = drawn[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
         self.batches += 1
-        return collate([e for _, e in drawn], [d for d, _ in drawn], self.pad_id)
+        return collate([self._materialize(d, e) for d, e in mine], [d for d, _ in mine], self.pad_id)
 
     def __iter__(self) -> Iterator[Batch]:
         while True:

@@ -5,6 +5,8 @@ full fine-tuning on `--data` with the chosen sampler (`pose_mlx.train`) -> expor
 (`pose_mlx.export`). Every flag can also be set in a YAML file given with `--config` (keys are the flag
 names, `-` or `_`); flags on the command line win. Bad input ends with one `error:` line and exit code 1.
 The run's state lives in `<output>.partial/` until the export is complete, then `<output>` appears at once.
+Started by `mlx.launch`, it trains data-parallel (`pose_mlx.distributed`): `--batch-size` rows per rank, rank 0
+tokenizes first, writes every file and prints progress; the other ranks read the same `--output` and cache.
 """
 
 from __future__ import annotations
@@ -291,7 +293,10 @@ def _check_resume(partial: Path, settings: dict) -> None:
     path = partial / "run.json"
     if not path.is_file():
         raise UsageError(f"--resume: {partial} has no run.json")
-    saved = json.loads(path.read_text())
+    saved = {"world_size": 1, **json.loads(path.read_text())}  # runs saved before data parallelism had one rank
+    if saved["world_size"] != settings["world_size"]:
+        raise UsageError(f"--resume: the interrupted run had {saved['world_size']} ranks (mlx.launch -n), this one "
+                         f"has {settings['world_size']}; its batches cannot be continued with another count")
     for key, value in settings.items():
         if saved.get(key) != json.loads(json.dumps(value)):
             raise UsageError(f"--resume: --{key.replace('_', '-')} was {saved.get(key)!r} in the interrupted run, "
@@ -329,32 +334,41 @@ def _add_lora(model, args) -> dict:
     return lora
 
 
-def _streams(args, tokenizer, window: int, target: int):
+def _streams(args, tokenizer, window: int, target: int, world):
     from .data import ExampleStream, tokenize_corpus
 
     if not args.data:
         raise UsageError("--data is required unless --method none")
     min_length = args.min_length if args.min_length is not None else (target if args.method == "full" else window)
-    corpus = tokenize_corpus(args.data, tokenizer, Path(args.cache_dir).expanduser(), min_length,
-                             progress=not args.no_progress)
-    _report_skipped(args.data, corpus.meta)
+
+    def tokenize():
+        return tokenize_corpus(args.data, tokenizer, Path(args.cache_dir).expanduser(), min_length,
+                               progress=not args.no_progress and world.is_main)
+
+    corpus = tokenize() if world.is_main else None
+    world.barrier()  # the other ranks find rank 0's cache instead of tokenizing the corpus again
+    if corpus is None:
+        corpus = tokenize()
+    if world.is_main:
+        _report_skipped(args.data, corpus.meta)
     heldout = None
     if args.eval_every:
         corpus, heldout = corpus.split(args.heldout, args.seed)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
 
-    def stream(c, seed):
+    def stream(c, seed, rank=0, size=1):
         return ExampleStream(c, window, target, method=args.method, chunks=args.chunks, content=args.content,
-                             batch_size=args.batch_size, seed=seed, pad_id=pad_id)
+                             batch_size=args.batch_size * world.size // size, seed=seed, pad_id=pad_id, rank=rank,
+                             world=size)
 
     eval_batches = None
     if heldout is not None:
         import itertools
 
-        def eval_batches():
+        def eval_batches():  # rank 0 evaluates whole global batches
             return itertools.islice(iter(stream(heldout, args.seed + 1)), args.eval_batches)
 
-    return corpus, stream(corpus, args.seed), eval_batches
+    return corpus, stream(corpus, args.seed, world.rank, world.size), eval_batches
 
 
 def _report_skipped(source, meta: dict) -> None:
@@ -385,6 +399,10 @@ def run(args) -> Path:
     args.window, args.original = window, original
     output, partial = _output_paths(args, model_path, target)
     _check_output(args, output, partial)
+    from .distributed import init
+
+    world = init()
+    world.barrier()  # every rank has checked the output folders before rank 0 changes them
 
     from mlx_lm.utils import load
 
@@ -393,26 +411,30 @@ def run(args) -> Path:
     record = {"method": args.method, "Lc": window, "Lt": target, "chunks": args.chunks, "content": args.content,
               "steps": 0, "data_fingerprint": None, "final_loss": None, "source_model": args.model}
     if args.method == "none":
-        export(model, config, model_path, output, args, None, record, {})
+        if world.is_main:
+            export(model, config, model_path, output, args, None, record, {})
         return output
 
     lora = None if args.full else _add_lora(model, args)
     if args.full:
         model.unfreeze()
-    corpus, stream, eval_batches = _streams(args, tokenizer, window, target)
+    corpus, stream, eval_batches = _streams(args, tokenizer, window, target, world)
     from .train import TrainConfig, train
 
     tconfig = TrainConfig(steps=args.steps, lr=args.lr, warmup=args.warmup, max_grad_norm=args.max_grad_norm,
                           grad_accum=args.grad_accum, grad_checkpoint=args.grad_checkpoint,
                           save_every=args.save_every, eval_every=args.eval_every, progress=not args.no_progress)
-    settings = _run_settings(args)
+    settings = {**_run_settings(args), "world_size": world.size}
     if args.resume:
         _check_resume(partial, settings)
-    else:
+    elif world.is_main:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
         (partial / "run.json").write_text(json.dumps(settings, indent=1) + "\n")
-    last = train(model, stream, tconfig, partial, eval_batches, resume=args.resume)
+    world.barrier()
+    last = train(model, stream, tconfig, partial, eval_batches, resume=args.resume, world=world)
+    if not world.is_main:
+        return output
     record.update(steps=last["step"], final_loss=last["loss"], data_fingerprint=corpus.fingerprint,
                   tokens_per_step=last["tokens"], training="full" if args.full else "lora", lr=args.lr,
                   seed=args.seed, eval_loss=last.get("eval_loss"))

@@ -7,10 +7,14 @@
   AdamW with learning rate 0 -> lr linearly over `warmup` steps, then linearly down to 0 at `steps`.
 - Checkpoints every `save_every` steps and when SIGINT/SIGTERM arrive (then `Interrupted` is raised);
   a non-finite loss raises `NonFiniteLoss` naming the step and leaves the last good checkpoint alone.
+- Data parallel (`world` from `pose_mlx.distributed.init()`): each rank's loss and gradients are combined
+  token-weighted over the ranks (`World.weighted_mean`); only rank 0 logs and writes checkpoints; a signal
+  on any rank stops every rank after the same step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import signal
@@ -25,6 +29,7 @@ import mlx.optimizers as optim
 from mlx.utils import tree_map
 
 from .checkpoint import load_checkpoint, read_state, save_checkpoint
+from .distributed import SINGLE, World
 from .patch import use_positions
 
 
@@ -156,13 +161,14 @@ class _Progress:
 
 
 def train(model: nn.Module, stream, config: TrainConfig, run_dir, eval_batches: Callable | None = None,
-          resume: bool = False) -> dict:
+          resume: bool = False, world: World = SINGLE) -> dict:
     """Train `model` (its trainable parameters) on batches from `stream` for `config.steps` updates.
 
     `stream` is a `pose_mlx.data.ExampleStream` (iterable of batches, with state_dict/load_state_dict);
     `run_dir` receives `checkpoint/` and `log.jsonl` (one JSON record per step: step, loss, lr,
     grad_norm, tokens, tokens_per_s, peak_memory_gb, seconds, and eval_loss when evaluated).
     `eval_batches()` returns a fresh iterable of held-out batches. Returns the last step's record.
+    With several ranks (`world`), `stream` yields this rank's rows and `tokens` counts all ranks' tokens.
     """
     run_dir = Path(run_dir)
     ckpt_dir = run_dir / "checkpoint"
@@ -173,39 +179,43 @@ def train(model: nn.Module, stream, config: TrainConfig, run_dir, eval_batches: 
         record = load_checkpoint(ckpt_dir, model, optimizer)
         stream.load_state_dict(record["data"])
         start, last = record["step"], record["metrics"]
-        _truncate_log(log_path, start)
-    elif log_path.exists():
+        if world.is_main:
+            _truncate_log(log_path, start)
+    elif log_path.exists() and world.is_main:
         log_path.unlink()
     saved_step = start if start else None
 
     step_fn = nn.value_and_grad(model, masked_loss)
     restore_call = _enable_grad_checkpoint(model) if config.grad_checkpoint else None
     batches = iter(stream)
-    bar = _Progress(config.progress, config.steps, start)
+    bar = _Progress(config.progress and world.is_main, config.steps, start)
     mx.reset_peak_memory()
     try:
-        with _SignalFlag() as flag, open(log_path, "a") as log:
+        log_file = open(log_path, "a") if world.is_main else contextlib.nullcontext()
+        with _SignalFlag() as flag, log_file as log:
             for step in range(start + 1, config.steps + 1):
                 t0 = time.perf_counter()
-                loss, grad_norm, tokens = _update(model, optimizer, step_fn, batches, config)
+                loss, grad_norm, tokens = _update(model, optimizer, step_fn, batches, config, world)
                 seconds = time.perf_counter() - t0
                 if not math.isfinite(loss):
                     raise NonFiniteLoss(step, saved_step)
                 last = {"step": step, "loss": loss, "lr": float(optimizer.learning_rate.item()),
                         "grad_norm": grad_norm, "tokens": tokens, "tokens_per_s": tokens / max(seconds, 1e-9),
                         "peak_memory_gb": mx.get_peak_memory() / 2**30, "seconds": seconds}
-                if eval_batches is not None and config.eval_every and (step % config.eval_every == 0
-                                                                        or step == config.steps):
-                    last["eval_loss"] = evaluate(model, eval_batches())
-                log.write(json.dumps(last) + "\n")
-                log.flush()
+                if world.is_main:
+                    if eval_batches is not None and config.eval_every and (step % config.eval_every == 0
+                                                                            or step == config.steps):
+                        last["eval_loss"] = evaluate(model, eval_batches())
+                    log.write(json.dumps(last) + "\n")
+                    log.flush()
                 bar.update(last)
-                stop = flag.signum is not None
+                stop = world.any(flag.signum is not None)
                 if stop or step == config.steps or (config.save_every and step % config.save_every == 0):
-                    save_checkpoint(ckpt_dir, step, model, optimizer, stream.state_dict(), metrics=last)
+                    if world.is_main:
+                        save_checkpoint(ckpt_dir, step, model, optimizer, stream.state_dict(), metrics=last)
                     saved_step = step
                 if stop:
-                    raise Interrupted(flag.signum, step)
+                    raise Interrupted(flag.signum or signal.SIGTERM, step)
     finally:
         bar.close()
         if restore_call is not None:
@@ -213,17 +223,19 @@ def train(model: nn.Module, stream, config: TrainConfig, run_dir, eval_batches: 
     return last
 
 
-def _update(model, optimizer, step_fn, batches, config: TrainConfig) -> tuple[float, float, int]:
-    """One optimizer update over `grad_accum` micro-batches; returns (mean loss, grad norm, tokens)."""
+def _update(model, optimizer, step_fn, batches, config: TrainConfig, world: World) -> tuple[float, float, int]:
+    """One optimizer update over `grad_accum` micro-batches; returns (mean loss, grad norm, tokens of all ranks)."""
     grads, losses, tokens = None, [], 0
     for _ in range(config.grad_accum):
         batch = next(batches)
         with use_positions(model, batch.positions):
             loss, g = step_fn(model, mx.array(batch.inputs), mx.array(batch.targets), mx.array(batch.mask))
+            count = mx.array(batch.mask.sum(), dtype=mx.float32)
+            loss, g = world.weighted_mean((loss, g), count)
             mx.eval(loss, g)
         grads = g if grads is None else tree_map(mx.add, grads, g)
         losses.append(loss)
-        tokens += int(batch.mask.sum())
+        tokens += int(world.all_sum(count).item())
     if config.grad_accum > 1:
         grads = tree_map(lambda x: x / config.grad_accum, grads)
     grads, norm = optim.clip_grad_norm(grads, config.max_grad_norm)
