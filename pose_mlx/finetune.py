@@ -142,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-grad-norm", type=float, default=1.0, help="clip the global gradient norm (default 1.0)")
     a("--grad-checkpoint", action="store_true", help="recompute activations in the backward pass "
                                                      "(~35%% less memory, ~50%% slower)")
+    a("--no-compile", action="store_true", help="run the training step eagerly instead of under mx.compile "
+                                                "(same math; compiling costs a few seconds at the first step)")
     a("--data", help="text file, folder of .txt/.jsonl ('text' field), or a hub dataset repo")
     a("--min-length", type=int, help="skip documents shorter than this many tokens (default: the window; "
                                      "the target for --method full)")
@@ -423,7 +425,7 @@ def run(args) -> Path:
 
     tconfig = TrainConfig(steps=args.steps, lr=args.lr, warmup=args.warmup, max_grad_norm=args.max_grad_norm,
                           grad_accum=args.grad_accum, grad_checkpoint=args.grad_checkpoint,
-                          save_every=args.save_every, eval_every=args.eval_every, progress=not args.no_progress)
+                          compile=not args.no_compile, save_every=args.save_every, eval_every=args.eval_every, progress=not args.no_progress)
     settings = {**_run_settings(args), "world_size": world.size}
     if args.resume:
         _check_resume(partial, settings)

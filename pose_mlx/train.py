@@ -7,6 +7,9 @@
   AdamW with learning rate 0 -> lr linearly over `warmup` steps, then linearly down to 0 at `steps`.
 - Checkpoints every `save_every` steps and when SIGINT/SIGTERM arrive (then `Interrupted` is raised);
   a non-finite loss raises `NonFiniteLoss` naming the step and leaves the last good checkpoint alone.
+- `compile=True` (default) runs the micro-batch gradients and the clip + AdamW update as two `mx.compile`d
+  functions (position ids are an argument, model and optimizer state their implicit inputs and outputs);
+  the math is the same as the eager path (`compile=False`), tested to 1e-5.
 - Data parallel (`world` from `pose_mlx.distributed.init()`): each rank's loss and gradients are combined
   token-weighted over the ranks (`World.weighted_mean`); only rank 0 logs and writes checkpoints; a signal
   on any rank stops every rank after the same step.
@@ -62,6 +65,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     grad_accum: int = 1
     grad_checkpoint: bool = False
+    compile: bool = True
     save_every: int = 0
     eval_every: int = 0
     progress: bool = True
@@ -185,8 +189,8 @@ def train(model: nn.Module, stream, config: TrainConfig, run_dir, eval_batches: 
         log_path.unlink()
     saved_step = start if start else None
 
-    step_fn = nn.value_and_grad(model, masked_loss)
     restore_call = _enable_grad_checkpoint(model) if config.grad_checkpoint else None
+    update = make_update(model, optimizer, config, world)
     batches = iter(stream)
     bar = _Progress(config.progress and world.is_main, config.steps, start)
     mx.reset_peak_memory()
@@ -195,7 +199,7 @@ def train(model: nn.Module, stream, config: TrainConfig, run_dir, eval_batches: 
         with _SignalFlag() as flag, log_file as log:
             for step in range(start + 1, config.steps + 1):
                 t0 = time.perf_counter()
-                loss, grad_norm, tokens = _update(model, optimizer, step_fn, batches, config, world)
+                loss, grad_norm, tokens = update(batches)
                 seconds = time.perf_counter() - t0
                 if not math.isfinite(loss):
                     raise NonFiniteLoss(step, saved_step)
@@ -223,26 +227,53 @@ def train(model: nn.Module, stream, config: TrainConfig, run_dir, eval_batches: 
     return last
 
 
-def _update(model, optimizer, step_fn, batches, config: TrainConfig, world: World) -> tuple[float, float, int]:
-    """One optimizer update over `grad_accum` micro-batches; returns (mean loss, grad norm, tokens of all ranks)."""
-    grads, losses, tokens = None, [], 0
-    for _ in range(config.grad_accum):
-        batch = next(batches)
-        with use_positions(model, batch.positions):
-            loss, g = step_fn(model, mx.array(batch.inputs), mx.array(batch.targets), mx.array(batch.mask))
-            count = mx.array(batch.mask.sum(), dtype=mx.float32)
-            loss, g = world.weighted_mean((loss, g), count)
-            mx.eval(loss, g)
-        grads = g if grads is None else tree_map(mx.add, grads, g)
-        losses.append(loss)
-        tokens += int(world.all_sum(count).item())
-    if config.grad_accum > 1:
-        grads = tree_map(lambda x: x / config.grad_accum, grads)
-    grads, norm = optim.clip_grad_norm(grads, config.max_grad_norm)
-    optimizer.update(model, grads)
-    mean_loss = mx.mean(mx.stack(losses))
-    mx.eval(model.parameters(), optimizer.state, mean_loss, norm)
-    return float(mean_loss.item()), float(norm.item()), tokens
+def make_update(model: nn.Module, optimizer: optim.Optimizer, config: TrainConfig, world: World = SINGLE):
+    """`update(batches) -> (mean loss, grad norm, tokens of all ranks)`: one optimizer update over
+    `config.grad_accum` micro-batches drawn from the iterator `batches`.
+
+    Gradients of each micro-batch are combined over the ranks token-weighted, averaged over the micro-batches,
+    clipped to `config.max_grad_norm` and applied by `optimizer`. Build it after any checkpoint was loaded:
+    the compiled functions hold on to the model's and the optimizer's state.
+    """
+    value_and_grad = nn.value_and_grad(model, masked_loss)
+
+    def gradients(inputs, targets, mask, positions):
+        with use_positions(model, positions):
+            loss, grads = value_and_grad(model, inputs, targets, mask)
+        count = mask.sum()
+        loss, grads = world.weighted_mean((loss, grads), count)
+        return loss, grads, world.all_sum(count)
+
+    def apply(grads):
+        grads, norm = optim.clip_grad_norm(grads, config.max_grad_norm)
+        optimizer.update(model, grads)
+        return norm
+
+    optimizer.init(model.trainable_parameters())  # keeps loaded state; the compiled update needs it to exist
+    if config.compile:
+        gradients = mx.compile(gradients, inputs=model.state, outputs=model.state)
+        state = [model.state, optimizer.state]
+        apply = mx.compile(apply, inputs=state, outputs=state)
+
+    def update(batches) -> tuple[float, float, int]:
+        grads, losses, tokens = None, [], 0
+        for _ in range(config.grad_accum):
+            batch = next(batches)
+            loss, g, count = gradients(mx.array(batch.inputs), mx.array(batch.targets), mx.array(batch.mask),
+                                       mx.array(batch.positions))
+            if config.grad_accum > 1:
+                mx.eval(loss, g, count)  # one micro-batch's graph at a time
+            grads = g if grads is None else tree_map(mx.add, grads, g)
+            losses.append(loss)
+            tokens += count
+        if config.grad_accum > 1:
+            grads = tree_map(lambda x: x / config.grad_accum, grads)
+        norm = apply(grads)
+        mean_loss = mx.mean(mx.stack(losses))
+        mx.eval(model.parameters(), optimizer.state, mean_loss, norm, tokens)
+        return float(mean_loss.item()), float(norm.item()), int(tokens.item())
+
+    return update
 
 
 def _enable_grad_checkpoint(model) -> Callable:
@@ -271,4 +302,4 @@ def _truncate_log(path: Path, step: int) -> None:
 
 
 __all__ = ["Interrupted", "NonFiniteLoss", "TrainConfig", "evaluate", "learning_rate_schedule", "make_optimizer",
-           "masked_loss", "train"]
+           "make_update", "masked_loss", "train"]

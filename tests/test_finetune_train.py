@@ -129,3 +129,41 @@ def test_checkpoint_is_replaced_whole(tmp_path):
     assert files == ["optimizer-2.safetensors", "state.json", "weights-2.safetensors"]
     assert read_state(tmp_path)["step"] == 2
     assert read_state(tmp_path / "missing") is None
+
+
+@pytest.mark.parametrize("grad_accum, checkpoint, lora", [(1, False, False), (2, True, False), (1, False, True)])
+def test_compiled_update_equals_eager(grad_accum, checkpoint, lora):
+    """`make_update` under mx.compile takes the same steps as the eager path without checkpointing: same losses,
+    grad norms, weights (PoSE positions change every batch, so they must be a compiled argument, not a traced-in
+    constant; with gradient checkpointing they must still be set when the backward pass re-runs the forward)."""
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    from pose_mlx import extend
+    from pose_mlx.data import ExampleStream, TokenizedCorpus
+    from pose_mlx.toy import build_model, model_config
+    from pose_mlx.train import _enable_grad_checkpoint, make_update
+
+    tokens = np.random.default_rng(0).integers(3, 64, size=4 * 200).astype(np.int32)
+    corpus = TokenizedCorpus(tokens, np.arange(5, dtype=np.int64) * 200, np.arange(4), "t", {})
+    runs = {}
+    for compiled, ckpt in ((False, False), (True, checkpoint), (False, checkpoint)):
+        model = build_model(model_config(64, hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=16))
+        extend(model, "linear", 16, 128)
+        if lora:
+            mx.random.seed(0)
+            model.freeze()
+            linear_to_lora_layers(model, 2, {"rank": 4, "scale": 10.0, "dropout": 0.0})
+        restore = _enable_grad_checkpoint(model) if ckpt else None
+        config = TrainConfig(steps=6, lr=3e-3, warmup=1, grad_accum=grad_accum, compile=compiled, progress=False)
+        update = make_update(model, make_optimizer(config), config)
+        batches = iter(ExampleStream(corpus, 16, 128, chunks=3, batch_size=2, seed=1))
+        runs[compiled, ckpt] = [update(batches) for _ in range(6)], dict(tree_flatten(model.trainable_parameters()))
+        if restore:
+            restore()
+    eager, w_eager = runs[False, False]
+    for key in ((True, checkpoint), (False, checkpoint)):
+        other, w_other = runs[key]
+        np.testing.assert_allclose(np.array(other)[:, :2], np.array(eager)[:, :2], atol=1e-5, rtol=1e-5)
+        assert [t for _, _, t in other] == [t for _, _, t in eager] == [2 * 15 * grad_accum] * 6
+        for name, value in w_eager.items():
+            np.testing.assert_allclose(np.array(w_other[name]), np.array(value), atol=1e-5, rtol=0, err_msg=name)
