@@ -1,12 +1,15 @@
-"""Offline end-to-end demo: extend a tiny model 8x with PoSE on the standard library's source, then measure it.
+"""Offline end-to-end demo: extend the simulator's pre-trained model 8x with PoSE and measure what changed.
 
-Steps, all through the real commands (no special cases):
+The base model ships with the package (`pose_mlx/sim/pretrained/`): the small llama that `python -m pose_mlx.sim`
+pre-trained from scratch at Lc = 128 tokens on this project's default corpus (see its `pretrain.json`). Steps, all
+through the real commands (no special cases):
   1. corpus: the running interpreter's standard-library .py files, the longest few held out as test documents;
-  2. base model: a tiny random-weight llama with a sentencepiece tokenizer trained on the spot (window Lc);
-  3. `pose_mlx.finetune --method pose --target 8x`: PoSE fine-tuning on Lc-token windows with position ids < 8 Lc;
-  4. `pose_mlx.perplexity` of the base and the extended model at Lc, 2 Lc, 4 Lc, 8 Lc on the test documents.
-The base model is untrained, so this shows the pipeline working end to end, not the paper's claims (that is the job
-of the simulator, which pre-trains its base model first).
+  2. `pose_mlx.finetune --method pose --target 8x`: PoSE fine-tuning on Lc-token windows with position ids < 8 Lc
+     (linear schedule, full fine-tuning);
+  3. `pose_mlx.perplexity` of the original model (no change), the model with PI only (schedule, no training) and
+     the PoSE model at Lc, 2 Lc, 4 Lc, 8 Lc on the test documents.
+The simulator's report (benchmarks/results/sim/report.md) has the paper's whole grid; this is its main line in
+a few minutes.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import sys
 from pathlib import Path
 
 from . import finetune, perplexity, toy
+
+PRETRAINED = Path(__file__).resolve().parent / "sim" / "pretrained"
 
 
 def write_corpus(folder: Path, test_docs: int, train_docs: int | None, min_chars: int) -> tuple[Path, Path]:
@@ -37,48 +42,61 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pose_mlx.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="out/demo", help="working folder (default out/demo)")
-    p.add_argument("--window", type=int, default=64, help="original window Lc of the tiny model (default 64)")
-    p.add_argument("--factor", type=int, default=8, help="extension factor: target = factor * window (default 8)")
-    p.add_argument("--steps", type=int, default=200, help="fine-tuning steps (default 200)")
+    p.add_argument("--model", default=str(PRETRAINED),
+                   help="base model folder (default: the simulator's pre-trained model shipped with pose_mlx)")
+    p.add_argument("--factor", type=int, default=8, help="extension factor: target = factor * Lc (default 8)")
+    p.add_argument("--steps", type=int, default=100, help="fine-tuning updates (default 100)")
+    p.add_argument("--batch-size", type=int, default=16, help="Lc-token sequences per update (default 16)")
+    p.add_argument("--lr", type=float, default=2e-4, help="peak learning rate (default 2e-4, as the simulator)")
     p.add_argument("--test-docs", type=int, default=4, help="held-out test documents (default 4)")
     p.add_argument("--train-docs", type=int, default=None, help="training documents (default: all the others)")
     return p
 
 
+def _window(model: Path) -> int:
+    config = json.loads((model / "config.json").read_text())
+    return int(config["max_position_embeddings"])
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    out = Path(args.out)
-    target = args.window * args.factor
-    print(f"[1/4] corpus: standard-library sources -> {out / 'corpus'}")
+    out, model = Path(args.out), Path(args.model)
+    if not (model / "config.json").is_file():
+        print(f"pose_mlx.demo: error: --model {model} has no config.json", file=sys.stderr)
+        return 2
+    window = _window(model)
+    target = window * args.factor
+    print(f"[1/3] corpus: standard-library sources -> {out / 'corpus'}")
     train, test = write_corpus(out / "corpus", args.test_docs, args.train_docs, min_chars=2000)
-    print(f"[2/4] tiny base model (window {args.window}) -> {out / 'base'}")
-    # RoPE base chosen so that Lc / (2 pi base) matches Llama-2's 4096 / (2 pi 10^4).
-    base = toy.make_model_folder(out / "base", hidden_size=64, num_layers=2, num_heads=4, vocab_size=512,
-                                 max_position_embeddings=args.window, rope_theta=10000.0 * args.window / 4096)
-    print(f"[3/4] PoSE fine-tuning to {target} tokens ({args.factor}x) -> {out / 'pose'}")
+    print(f"[2/3] PoSE fine-tuning of {model} from {window} to {target} tokens ({args.factor}x) -> {out / 'pose'}")
     code = finetune.main([
-        "--model", str(base), "--target", f"{args.factor}x", "--data", str(train), "--full", "--lr", "1e-3",
-        "--steps", str(args.steps), "--warmup", "5", "--batch-size", "4", "--save-every", "0",
-        "--cache-dir", str(out / "cache"), "--output", str(out / "pose"), "--overwrite",
+        "--model", str(model), "--target", f"{args.factor}x", "--data", str(train), "--full", "--lr", str(args.lr),
+        "--steps", str(args.steps), "--warmup", str(max(1, args.steps // 10)), "--batch-size", str(args.batch_size),
+        "--save-every", "0", "--cache-dir", str(out / "cache"), "--output", str(out / "pose"), "--overwrite",
     ])
     if code:
         return code
-    print("[4/4] sliding-window perplexity on the held-out documents")
-    lengths = ",".join(str(args.window * 2**k) for k in range(args.factor.bit_length()))
+    print("[3/3] sliding-window perplexity on the held-out documents")
+    lengths = ",".join(str(window * 2**k) for k in range(args.factor.bit_length()))
+    common = ["--data", str(test), "--lengths", lengths, "--docs", str(args.test_docs), "--stride", str(window),
+              "--no-progress"]
+    models = {"original": ["--model", str(model)],
+              "PI only (no training)": ["--model", str(model), "--scaling", "linear", "--target", str(target)],
+              "PoSE + PI": ["--model", str(out / "pose")]}
     results = {}
-    for name, extra in (("base (no training)", ["--model", str(base)]), ("PoSE", ["--model", str(out / "pose")])):
+    for name, extra in models.items():
         path = out / f"ppl-{name.split()[0].lower()}.json"
-        code = perplexity.main(extra + ["--data", str(test), "--lengths", lengths, "--docs", str(args.test_docs),
-                                        "--stride", str(args.window), "--output", str(path), "--no-progress"])
+        code = perplexity.main(extra + common + ["--output", str(path)])
         if code:
             return code
         results[name] = {r["length"]: r["ppl"] for r in json.loads(path.read_text())["results"]}
     print("\nperplexity by evaluation length (lower is better):")
     header = list(next(iter(results.values())))
-    print(f"{'model':<20}" + "".join(f"{n:>10}" for n in header))
+    print(f"{'model':<24}" + "".join(f"{n:>10}" for n in header))
     for name, row in results.items():
-        print(f"{name:<20}" + "".join(f"{row[n]:>10.1f}" for n in header))
-    print(f"\nextended model: {out / 'pose'} (loads with mlx_lm.load or pose_mlx.load)")
+        print(f"{name:<24}" + "".join(f"{row[n]:>10.2f}" for n in header))
+    print(f"\nextended model: {out / 'pose'} (loads with mlx_lm.load or pose_mlx.load); "
+          f"check retrieval with: python -m pose_mlx.passkey --model {out / 'pose'}")
     return 0
 
 
