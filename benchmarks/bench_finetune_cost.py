@@ -28,22 +28,15 @@ import mlx.core as mx
 
 from pose_mlx import extend
 from pose_mlx.backend import status as blas_status
-from pose_mlx.data import ExampleStream, TokenizedCorpus
+from pose_mlx.data import ExampleStream
 from pose_mlx.plots import _pyplot
 from pose_mlx.toy import build_model, model_config
 from pose_mlx.train import TrainConfig, train
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, write_results  # noqa: E402
+from common import RESULTS_DIR, synthetic_corpus, write_results  # noqa: E402
 
 VOCAB = 2048
-
-
-def synthetic_corpus(docs: int, length: int, seed: int = 0) -> TokenizedCorpus:
-    """`docs` documents of `length` random token ids (content does not change the cost)."""
-    tokens = np.random.default_rng(seed).integers(3, VOCAB, size=docs * length).astype(np.int32)
-    offsets = np.arange(docs + 1, dtype=np.int64) * length
-    return TokenizedCorpus(tokens, offsets, np.arange(docs), f"synthetic-{docs}x{length}", {})
 
 
 def measure(args, corpus, method: str, ratio: int) -> dict:
@@ -118,7 +111,7 @@ def main():
 
     ratios = [2 ** k for k in range(1, int(np.log2(args.pose_max)) + 1)]
     configs = [("pose", r) for r in ratios] + [("full", r) for r in ratios if r <= args.full_max]
-    corpus = synthetic_corpus(docs=8, length=args.window * max(args.full_max, 2))
+    corpus = synthetic_corpus(VOCAB, docs=8, length=args.window * max(args.full_max, 2))
     runs = {c: [] for c in configs}
     for round_ in range(args.rounds):
         for method, ratio in configs:

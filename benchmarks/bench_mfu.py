@@ -36,24 +36,17 @@ from mlx.utils import tree_flatten
 
 from pose_mlx import extend
 from pose_mlx.backend import status as blas_status
-from pose_mlx.data import ExampleStream, TokenizedCorpus
+from pose_mlx.data import ExampleStream
 from pose_mlx.toy import build_model, model_config
 from pose_mlx.train import TrainConfig, make_optimizer, make_update
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, write_results  # noqa: E402
+from common import RESULTS_DIR, synthetic_corpus, write_results  # noqa: E402
 
 FORMULA = ("flops_per_step = 6 * P * T + 12 * layers * hidden * S * T; P = parameters (tied embeddings once), "
            "T = batch * (window - 1) target tokens per update, S = window - 1 (attention over the full S x S "
            "square, PaLM's convention); MFU = flops_per_step / step_s / peak, peak = 2 N^3 / t_matmul "
            "(N = matmul_size, mean of the peaks measured before and after the steps)")
-
-
-def synthetic_corpus(vocab: int, docs: int, length: int, seed: int = 0) -> TokenizedCorpus:
-    """`docs` documents of `length` random token ids in [3, vocab) (content does not change the cost)."""
-    tokens = np.random.default_rng(seed).integers(3, vocab, size=docs * length).astype(np.int32)
-    offsets = np.arange(docs + 1, dtype=np.int64) * length
-    return TokenizedCorpus(tokens, offsets, np.arange(docs), f"synthetic-{docs}x{length}", {})
 
 
 def matmul_gflops(n: int, reps: int) -> float:

@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmarks: run metadata and writing a results JSON. Imports no MLX."""
+"""Helpers shared by the benchmarks: run metadata, writing a results JSON, a synthetic corpus. Imports no MLX."""
 
 from __future__ import annotations
 
@@ -44,3 +44,15 @@ def write_results(name: str, results: dict, path: str | Path | None = None) -> P
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"benchmark": name, **run_metadata(), **results}, indent=2) + "\n")
     return path
+
+
+def synthetic_corpus(vocab: int, docs: int, length: int, seed: int = 0):
+    """A `pose_mlx.data.TokenizedCorpus` of `docs` documents of `length` random token ids in [3, vocab)
+    (the content does not change the cost of a training step)."""
+    import numpy as np
+
+    from pose_mlx.data import TokenizedCorpus
+
+    tokens = np.random.default_rng(seed).integers(3, vocab, size=docs * length).astype(np.int32)
+    offsets = np.arange(docs + 1, dtype=np.int64) * length
+    return TokenizedCorpus(tokens, offsets, np.arange(docs), f"synthetic-{docs}x{length}", {})
