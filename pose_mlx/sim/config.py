@@ -81,18 +81,37 @@ def build_parser() -> argparse.ArgumentParser:
         "report.md, results.json and PNGs. Every stage is cached in --out; rerun to resume."))
     p.add_argument("--quick", action="store_true", help="toy sizes (the whole pipeline in a few minutes; for CI)")
     defaults = SimConfig()
-    helps = {"corpus": "folder of text files (default: this interpreter's standard-library sources)",
-             "factor": "target Lt = factor * Lc (default 8)", "window": "pre-training window Lc",
-             "rope_base": "RoPE base (default: 10^4 * Lc / 4096, Llama-2's Lc / (2 pi base))",
-             "passkey_fraction": "fraction of pre-training sequences that are synthetic passkey prompts",
-             "full_batch": "full-length sequences per update; window methods use full_batch * Lt / Lc so that "
-                           "every run trains on the same number of tokens"}
+    helps = {
+        "out": "working folder: every stage's output and cache, report.md, results.json, PNGs",
+        "corpus": "folder of text files (default: this interpreter's standard-library sources)",
+        "corpus_chars": "stop reading the corpus after this many characters (default: read it all)",
+        "test_docs": "held-out test documents: the longest documents of the corpus",
+        "test_tokens": "each test document is cut to its first this many tokens (>= the target)",
+        "val_fraction": "share of the other documents held out for the pre-training validation loss",
+        "vocab": "sentencepiece vocabulary size, trained on the training split",
+        "window": "pre-training window Lc (tokens)",
+        "factor": "extension factor: target Lt = factor * Lc",
+        "rope_base": "RoPE base (default: 10^4 * Lc / 4096, so Lc / (2 pi base) equals Llama-2's)",
+        "hidden": "model width", "layers": "transformer blocks", "heads": "attention heads",
+        "ffn": "feed-forward (SwiGLU) width",
+        "pretrain_steps": "pre-training updates", "pretrain_batch": "Lc-token sequences per pre-training update",
+        "pretrain_lr": "peak pre-training learning rate",
+        "passkey_fraction": "share of pre-training sequences that are synthetic passkey prompts (within Lc)",
+        "steps": "fine-tuning updates of every grid run",
+        "full_batch": "full-length sequences per update; window methods use full_batch * Lt / Lc so that "
+                      "every run trains on the same number of tokens",
+        "lr": "peak fine-tuning learning rate (full fine-tuning)",
+        "cost_steps": "updates of the cost-only runs at the shorter targets (timed only)",
+        "passkey_trials": "passkey trials per evaluation length",
+        "seed": "seed of the corpus split, initialisation, data sampling and passkey keys",
+    }
+    extra = {"corpus": "", "corpus_chars": "", "rope_base": ""}  # their help states the default
     for f in fields(SimConfig):
         kind = {"int": int, "float": float}.get(str(f.type), str)
         if f.name in ("corpus_chars", "rope_base"):
             kind = int if f.name == "corpus_chars" else float
         p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=None,
-                       help=f"{helps.get(f.name, f.name.replace('_', ' '))} (default {getattr(defaults, f.name)})")
+                       help=helps[f.name] + extra.get(f.name, f" (default {getattr(defaults, f.name)})"))
     return p
 
 
