@@ -358,19 +358,22 @@ def _streams(args, tokenizer, window: int, target: int, world):
         corpus, heldout = corpus.split(args.heldout, args.seed)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
 
-    def stream(c, seed, rank=0, size=1):
+    global_batch = args.batch_size * world.size
+
+    def stream(c, seed, sharded: bool):
+        """Global batches of `global_batch` rows; `sharded`: only this rank's `--batch-size` rows of each."""
+        rank, ranks = (world.rank, world.size) if sharded else (0, 1)
         return ExampleStream(c, window, target, method=args.method, chunks=args.chunks, content=args.content,
-                             batch_size=args.batch_size * world.size // size, seed=seed, pad_id=pad_id, rank=rank,
-                             world=size)
+                             batch_size=global_batch // ranks, seed=seed, pad_id=pad_id, rank=rank, world=ranks)
 
     eval_batches = None
     if heldout is not None:
         import itertools
 
         def eval_batches():  # rank 0 evaluates whole global batches
-            return itertools.islice(iter(stream(heldout, args.seed + 1)), args.eval_batches)
+            return itertools.islice(iter(stream(heldout, args.seed + 1, sharded=False)), args.eval_batches)
 
-    return corpus, stream(corpus, args.seed, world.rank, world.size), eval_batches
+    return corpus, stream(corpus, args.seed, sharded=True), eval_batches
 
 
 def _report_skipped(source, meta: dict) -> None:
