@@ -3,15 +3,22 @@
 As in the paper, every step trains the same number of sequences (`--batch`): PoSE sequences have Lc tokens
 with position ids up to Lt, full-length sequences have Lt tokens. Each configuration is a real
 `pose_mlx.train.train` run (full fine-tuning, linear schedule s = Lt / Lc) of a random-weight mlx-lm llama on a
-synthetic corpus; its log gives seconds per step (median, first step left out) and `mx.get_peak_memory()`.
-Configurations are interleaved over `--rounds` rounds (machine noise hits all alike); step time is the median
-over rounds, peak memory the maximum. Full-length stops at `--full-max` (its cost grows with Lt), PoSE goes on
-to `--pose-max`.
+synthetic corpus; its log gives seconds per step (first step, which compiles, left out) and
+`mx.get_peak_memory()`; MLX's buffer cache is emptied before each run. Full-length stops at `--full-max` (its cost
+grows with Lt), PoSE goes on to `--pose-max`. Each of `--rounds` rounds runs every full-length ratio once, and
+before each of those runs a sweep over all PoSE ratios: PoSE runs are cheap, and this spreads them over the
+whole benchmark, so that every ratio meets the same machine noise (this shared machine slows down by up to 20% in
+phases of tens of seconds, whatever runs). Step time `step_s` is the fastest timed step over all runs of a
+configuration (as `timeit` advises, the minimum is the cost of the step itself), `step_s_median` their median;
+peak memory is the maximum.
 
-Where the cost goes: a full-length step at ratio r costs about c0 + c1 r + c2 r^2 seconds (the r^2 term is
-attention over Lt x Lt scores); the fit of these three coefficients is written beside the measurements.
-Writes benchmarks/results/finetune_cost.json (records {method, ratio, step_s, peak_bytes, tokens_per_step})
-and benchmarks/results/finetune_cost.png.
+Where the cost goes: after each run the model's attention alone is timed on the same shapes (`--layers` causal
+`mx.fast.scaled_dot_product_attention` calls, forward and backward, on random queries, keys and values of
+`--batch` x `--heads` x sequence x head size), its fastest of three passes recorded as `attention_s`;
+attention's share of a step is attention_s / step_s. Its work grows with the square of the sequence, the rest of
+the step (embeddings, projections, MLPs, loss, optimizer) linearly.
+Writes benchmarks/results/finetune_cost.json (records {method, ratio, step_s, step_s_median, peak_bytes,
+tokens_per_step}) and benchmarks/results/finetune_cost.png.
 """
 
 import argparse
@@ -19,6 +26,7 @@ import json
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -41,28 +49,50 @@ VOCAB = 2048
 
 def measure(args, corpus, method: str, ratio: int) -> dict:
     """One short training run; its per-step seconds (first left out) and peak memory."""
+    mx.clear_cache()
     target = args.window * ratio
+    steps = args.pose_steps if method == "pose" else args.steps
     config = model_config(VOCAB, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
                           max_position_embeddings=args.window)
     model = build_model(config, seed=0)
     extend(model, "linear", args.window, target)
     stream = ExampleStream(corpus, args.window, target, method=method, batch_size=args.batch, seed=ratio)
     with tempfile.TemporaryDirectory() as run_dir:
-        train(model, stream, TrainConfig(steps=args.steps, lr=1e-4, warmup=1, progress=False), run_dir)
+        train(model, stream, TrainConfig(steps=steps, lr=1e-4, warmup=1, progress=False), run_dir)
         log = [json.loads(line) for line in (Path(run_dir) / "log.jsonl").read_text().splitlines()]
-    return {"step_s": statistics.median(r["seconds"] for r in log[1:]),
+    del model, stream
+    sequence = log[-1]["tokens"] // args.batch
+    return {"step_s": [r["seconds"] for r in log[1:]],
             "peak_bytes": int(max(r["peak_memory_gb"] for r in log) * 2**30),
-            "tokens_per_step": log[-1]["tokens"]}
+            "tokens_per_step": log[-1]["tokens"], **attention_cost(args, sequence)}
 
 
-def fit_full(records: list[dict]) -> dict:
-    """Least-squares step_s = c0 + c1 r + c2 r^2 over the full-length records, and the r^2 share per ratio."""
-    full = [r for r in records if r["method"] == "full"]
-    ratios = np.array([r["ratio"] for r in full], dtype=float)
-    seconds = np.array([r["step_s"] for r in full])
-    c0, c1, c2 = np.linalg.lstsq(np.stack([ratios ** 0, ratios, ratios ** 2], axis=1), seconds, rcond=None)[0]
-    return {"c0": c0, "c1": c1, "c2": c2,
-            "quadratic_share": {str(int(r)): float(c2 * r * r / (c0 + c1 * r + c2 * r * r)) for r in ratios}}
+def attention_cost(args, sequence: int, passes: int = 3) -> dict:
+    """Seconds (fastest of `passes`, after one warm-up) of the model's attention alone, forward and backward:
+    `args.layers` chained causal SDPA calls on (batch, heads, sequence, head size) inputs."""
+    head_dim = args.hidden // args.heads
+    q, k, v = (mx.random.normal((args.batch, args.heads, sequence, head_dim)) for _ in range(3))
+    mx.eval(q, k, v)
+
+    def attention(q, k, v):
+        for _ in range(args.layers):
+            q = mx.fast.scaled_dot_product_attention(q, k, v, scale=head_dim ** -0.5, mask="causal")
+        return q.sum()
+
+    grad = mx.grad(attention, argnums=(0, 1, 2))
+    mx.eval(grad(q, k, v))
+    seconds = []
+    for _ in range(passes):
+        start = time.perf_counter()
+        mx.eval(grad(q, k, v))
+        seconds.append(time.perf_counter() - start)
+    return {"attention_s": min(seconds)}
+
+
+def _label_2_3_5(value: float, _pos) -> str:
+    """Minor log-axis tick label: only 2, 3 and 5 x 10^k are written, so the labels do not collide."""
+    mantissa = value / 10 ** np.floor(np.log10(value))
+    return f"{value:g}" if round(mantissa) in (2, 3, 5) else ""
 
 
 def plot(records: list[dict], path: Path, window: int) -> Path:
@@ -81,10 +111,13 @@ def plot(records: list[dict], path: Path, window: int) -> Path:
         ax.set_xlabel("extension ratio Lt / Lc")
         ax.set_ylabel(label)
         ax.set_yscale("log")
-        plain = FuncFormatter(lambda v, _pos: f"{v:g}")
-        ax.yaxis.set_major_formatter(plain)
-        ax.yaxis.set_minor_formatter(plain)
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(FuncFormatter(_label_2_3_5))
         ax.grid(True, alpha=0.3)
+    rows = sorted((r for r in records if r["method"] == "full"), key=lambda r: r["ratio"])
+    axes[0].plot([r["ratio"] for r in rows], [r["attention_s"] for r in rows], marker=".", linestyle="--",
+                 color="C1", label="Full-length: its attention alone")
+    for ax in axes:
         ax.legend()
     fig.suptitle("Fine-tuning cost per step vs target length (cf. PoSE paper, Figure 3)")
     fig.tight_layout()
@@ -100,38 +133,47 @@ def main():
     parser.add_argument("--hidden", type=int, default=256, help="model width (default 256)")
     parser.add_argument("--layers", type=int, default=4, help="transformer layers (default 4)")
     parser.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
-    parser.add_argument("--steps", type=int, default=6, help="steps per run, the first not timed (default 6)")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds over all configurations (default 3)")
+    parser.add_argument("--steps", type=int, default=6,
+                        help="steps per full-length run, the first not timed (default 6)")
+    parser.add_argument("--pose-steps", type=int, default=6,
+                        help="steps per PoSE run, the first not timed (default 6)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds; each runs every full-length ratio once, a PoSE sweep before each (default 3)")
     parser.add_argument("--full-max", type=int, default=16, help="largest ratio for full-length (default 16)")
     parser.add_argument("--pose-max", type=int, default=64, help="largest ratio for PoSE (default 64)")
     parser.add_argument("--out", default=str(RESULTS_DIR / "finetune_cost.json"), help="JSON path (PNG beside it)")
     args = parser.parse_args()
-    if args.steps < 2 or args.rounds < 1 or args.full_max < 2 or args.pose_max < 2:
-        parser.error("--steps must be >= 2, --rounds >= 1, --full-max and --pose-max >= 2")
+    if min(args.steps, args.pose_steps) < 2 or args.rounds < 1 or args.full_max < 2 or args.pose_max < 2:
+        parser.error("--steps and --pose-steps must be >= 2, --rounds >= 1, --full-max and --pose-max >= 2")
 
     ratios = [2 ** k for k in range(1, int(np.log2(args.pose_max)) + 1)]
-    configs = [("pose", r) for r in ratios] + [("full", r) for r in ratios if r <= args.full_max]
+    full_ratios = [r for r in ratios if r <= args.full_max]
+    schedule = [run for _ in range(args.rounds) for full_ratio in full_ratios
+                for run in [*(("pose", r) for r in ratios), ("full", full_ratio)]]
     corpus = synthetic_corpus(VOCAB, docs=8, length=args.window * max(args.full_max, 2))
-    runs = {c: [] for c in configs}
-    for round_ in range(args.rounds):
-        for method, ratio in configs:
-            runs[(method, ratio)].append(measure(args, corpus, method, ratio))
-            m = runs[(method, ratio)][-1]
-            print(f"round {round_ + 1}/{args.rounds} {method:>4} {ratio:>3}x: {m['step_s']:.4f} s/step, "
-                  f"peak {m['peak_bytes'] / 2**20:.1f} MiB", flush=True)
+    runs = {("pose", r): [] for r in ratios} | {("full", r): [] for r in full_ratios}
+    for i, (method, ratio) in enumerate(schedule):
+        runs[(method, ratio)].append(measure(args, corpus, method, ratio))
+        m = runs[(method, ratio)][-1]
+        print(f"run {i + 1}/{len(schedule)} {method:>4} {ratio:>3}x: {statistics.median(m['step_s']):.4f} s/step, "
+              f"peak {m['peak_bytes'] / 2**20:.1f} MiB", flush=True)
     records = [{"method": method, "ratio": ratio, "target": args.window * ratio,
-                "step_s": statistics.median(m["step_s"] for m in ms),
-                "peak_bytes": max(m["peak_bytes"] for m in ms), "tokens_per_step": ms[0]["tokens_per_step"]}
+                "step_s": min(s for m in ms for s in m["step_s"]),
+                "step_s_median": statistics.median(s for m in ms for s in m["step_s"]),
+                "peak_bytes": max(m["peak_bytes"] for m in ms), "tokens_per_step": ms[0]["tokens_per_step"],
+                "attention_s": min(m["attention_s"] for m in ms)}
                for (method, ratio), ms in runs.items()]
     pose = [r for r in records if r["method"] == "pose"]
     full = {r["ratio"]: r for r in records if r["method"] == "full"}
     summary = {
         "pose_step_max_over_min": max(r["step_s"] for r in pose) / min(r["step_s"] for r in pose),
+        "pose_step_median_max_over_min": (max(r["step_s_median"] for r in pose)
+                                          / min(r["step_s_median"] for r in pose)),
         "pose_peak_max_over_min": max(r["peak_bytes"] for r in pose) / min(r["peak_bytes"] for r in pose),
         "full_over_pose": {str(k): {"step": f["step_s"] / next(p["step_s"] for p in pose if p["ratio"] == k),
                                     "peak": f["peak_bytes"] / next(p["peak_bytes"] for p in pose if p["ratio"] == k)}
                            for k, f in full.items()},
-        "full_step_fit": fit_full(records),
+        "attention_share_of_step": {f"{r['method']} {r['ratio']}x": r["attention_s"] / r["step_s"] for r in records},
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
