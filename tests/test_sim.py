@@ -55,7 +55,12 @@ def test_quick_numbers_come_from_the_evaluators_and_finetune(quick):
     assert results["runs"]["pose-linear"]["cost"]["tokens_per_step"] == \
         c["full_batch"] * c["target"] // c["window"] * (c["window"] - 1)
     assert results["runs"]["original"]["cost"] is None  # --method none: no training
-    assert sorted(results["cost_vs_target"]["full"], key=int) == [str(c["window"] * f) for f in (2, 4, 8)]
+    # cost runs: the paper's setting, full_batch sequences per update for both methods (L-1 targets each)
+    for method, length in (("pose", lambda target: c["window"]), ("full", lambda target: target)):
+        table = results["cost_vs_target"][method]
+        assert sorted(table, key=int) == [str(c["window"] * f) for f in (2, 4, 8)]
+        for target, row in table.items():
+            assert row["tokens_per_step"] == c["full_batch"] * (length(int(target)) - 1)
 
 
 def test_quick_rerun_resumes_from_cache(quick, capsys):

@@ -20,13 +20,14 @@ from .stages import Stages
 
 def _weights(config: SimConfig, runs: list[Run]) -> dict[str, float]:
     """Estimated work of each stage in trained-token units (evaluation ~ a third of training per token)."""
-    step_tokens = config.full_batch * config.target
     w = {"corpus": 0.02 * config.pretrain_steps * config.pretrain_batch * config.window + 1,
          "pretrain": config.pretrain_steps * config.pretrain_batch * config.window}
     for run in runs:
         steps = 0 if run.method == "none" else config.cost_steps if run.cost_only else config.steps
-        factor = 2.6 if run.method == "full" else 1.0  # attention over Lt tokens (DESIGN.md's feasibility run)
-        w[f"finetune {run.name}"] = steps * step_tokens * factor / (1 if not run.cost_only else config.factor / run.factor) + 1
+        factor = run.factor or config.factor
+        tokens = config.full_batch * config.window * (1 if run.cost_only and run.method == "pose" else factor)
+        attention = 2.6 if run.method == "full" else 1.0  # attention over Lt tokens (DESIGN.md's feasibility run)
+        w[f"finetune {run.name}"] = steps * tokens * attention + 1
         if not run.cost_only:
             w[f"evaluate {run.name}"] = config.test_docs * config.test_tokens * len(config.lengths) / 3 + 1
     return w
@@ -85,9 +86,8 @@ def main(argv=None) -> int:
         entry = collect(run, folder, ppl_json, passkey_json)
         if not run.cost_only:
             results["runs"][run.name] = entry
-        if run.cost_only or run.name in ("pose-linear", "full-linear"):
-            factor = run.factor or config.factor
-            results["cost_vs_target"][run.method][str(factor * config.window)] = entry["cost"]
+        else:
+            results["cost_vs_target"][run.method][str(run.factor * config.window)] = entry["cost"]
 
     results["claims"] = check_claims(results)
     results["wall_seconds"] = time.perf_counter() - t0

@@ -38,7 +38,7 @@ class SimConfig:
     steps: int = 150  # fine-tuning updates per grid run
     full_batch: int = 4  # full-length sequences per update; window methods use full_batch * Lt / Lc
     lr: float = 2e-4
-    cost_steps: int = 20  # updates of the cost-only runs at shorter targets
+    cost_steps: int = 20  # updates of each cost run (equal sequences per update, Lt = 2 Lc .. target)
     passkey_trials: int = 20
     seed: int = 0
 
@@ -99,9 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
         "passkey_fraction": "share of pre-training sequences that are synthetic passkey prompts (within Lc)",
         "steps": "fine-tuning updates of every grid run",
         "full_batch": "full-length sequences per update; window methods use full_batch * Lt / Lc so that "
-                      "every run trains on the same number of tokens",
+                      "every grid run trains on the same number of tokens (cost runs: full_batch for both)",
         "lr": "peak fine-tuning learning rate (full fine-tuning)",
-        "cost_steps": "updates of the cost-only runs at the shorter targets (timed only)",
+        "cost_steps": "updates of each cost run: PoSE and full-length at 2x ... the target, full_batch sequences "
+                      "per update for both (timed only)",
         "passkey_trials": "passkey trials per evaluation length",
         "seed": "seed of the corpus split, initialisation, data sampling and passkey keys",
     }

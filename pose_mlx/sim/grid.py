@@ -4,8 +4,9 @@
 Runs train on the same number of tokens: `steps` updates of `full_batch` sequences of Lt tokens (full-length)
 or `full_batch * Lt / Lc` sequences of Lc tokens (every other method). 'Original' and the schedule-only
 baselines ('PI-only', ...) are `--method none` runs: the pre-trained model patched and exported, no training
-('Original' with the identity schedule `none`). Cost runs repeat PoSE and full-length at shorter targets with
-`cost_steps` updates, only to time them.
+('Original' with the identity schedule `none`). Cost runs time PoSE and full-length at Lt = 2 Lc ... the target
+with `cost_steps` updates in the paper's setting: the same number of sequences per update (`full_batch`) for
+both, Lc tokens each for PoSE, Lt for full-length.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class Run:
 
 def grid_runs(window: int, factor: int) -> list[Run]:
     """Original; schedule-only baselines; full-length, PoSE (linear / ntk / yarn); RandPos; chunk ablation
-    N in {1, 2, 3, Lc}; content ablation (uniform / zero / aligned); cost runs at Lt = 2 Lc .. Lt / 2."""
+    N in {1, 2, 3, Lc}; content ablation (uniform / zero / aligned); cost runs at Lt = 2 Lc .. the target."""
     runs = [Run("original", "Original", "none", "none")]
     runs += [Run(f"{s}-only", f"{'PI' if s == 'linear' else s.upper() if s == 'ntk' else 'YaRN'}-only", "none", s)
              for s in ("linear", "ntk", "yarn")]
@@ -45,9 +46,10 @@ def grid_runs(window: int, factor: int) -> list[Run]:
     for content in ("zero", "aligned"):
         runs.append(Run(f"pose-linear-{content}", f"PoSE v_i {content}", "pose", "linear", content=content))
     f = 2
-    while f < factor:
+    while f <= factor:
         for method in ("pose", "full"):
-            runs.append(Run(f"cost-{method}-{f}x", f"{method} @ {f}x", method, "linear", factor=f, cost_only=True))
+            runs.append(Run(f"cost-{method}-{f}x-equal-seqs", f"{method} @ {f}x", method, "linear", factor=f,
+                            cost_only=True))
         f *= 2
     return runs
 
@@ -60,7 +62,7 @@ def finetune_args(run: Run, model: Path, data: Path, cache: Path, output: Path, 
             "--method", run.method, "--output", str(output)]
     if run.method == "none":
         return args
-    batch = full_batch if run.method == "full" else full_batch * f
+    batch = full_batch if run.method == "full" or run.cost_only else full_batch * f
     args += ["--full", "--data", str(data), "--cache-dir", str(cache), "--chunks", str(run.chunks),
              "--content", run.content, "--steps", str(cost_steps if run.cost_only else steps),
              "--batch-size", str(batch), "--lr", str(lr), "--warmup", str(max(1, steps // 10)),

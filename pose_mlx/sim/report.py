@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 from ..plots import line_vs_length
 
 #: (file stem, title, runs) of each perplexity table / figure.
 TABLES = (
-    ("ppl_main", "Perplexity of the baselines and PoSE (cf. paper Table 1 / Figure 3a)",
+    ("ppl_main", "Perplexity of the baselines and PoSE (cf. paper Table 1)",
      ("original", "linear-only", "full-linear", "randpos-linear", "pose-linear")),
-    ("ppl_schedules", "PoSE and full-length with each RoPE schedule (cf. paper Table 4)",
+    ("ppl_schedules", "PoSE and full-length with each RoPE schedule (cf. paper Table 6)",
      ("linear-only", "ntk-only", "yarn-only", "full-linear", "full-ntk", "full-yarn", "pose-linear", "pose-ntk",
       "pose-yarn")),
     ("ppl_chunks", "Chunk-number ablation N (cf. paper Table 5)", ("pose-linear-n1", "pose-linear",
                                                                    "pose-linear-n3", "pose-linear-n{window}")),
-    ("ppl_content", "Content offsets v_i ablation (cf. paper Table 6)", ("pose-linear", "pose-linear-zero",
+    ("ppl_content", "Content offsets v_i ablation (cf. paper Table 4)", ("pose-linear", "pose-linear-zero",
                                                                         "pose-linear-aligned")),
 )
 
@@ -59,7 +60,8 @@ def plots(results: dict, folder: Path) -> list[Path]:
         if names:
             series = {_label(results, n): [results["runs"][n]["ppl"].get(str(L), float("nan")) for L in lengths]
                       for n in names}
-            out.append(line_vs_length(folder / f"{stem}.png", lengths, series, "perplexity (log scale)", title[:60],
+            out.append(line_vs_length(folder / f"{stem}.png", lengths, series, "perplexity (log scale)",
+                                      "\n".join(textwrap.wrap(title, 50)),
                                       log_y=True, mark=window))
     keys = [n for n in ("original", "linear-only", "full-linear", "randpos-linear", "pose-linear", "pose-yarn")
             if results["runs"].get(n, {}).get("passkey")]
@@ -68,14 +70,14 @@ def plots(results: dict, folder: Path) -> list[Path]:
         series = {_label(results, n): [results["runs"][n]["passkey"].get(str(L), float("nan")) for L in tested]
                   for n in keys}
         out.append(line_vs_length(folder / "passkey.png", tested, series, "accuracy",
-                                  "Passkey retrieval (cf. paper Figure 3b)", ylim=(-0.05, 1.05), mark=window))
+                                  "Passkey retrieval (cf. paper Figure 2b)", ylim=(-0.05, 1.05), mark=window))
     cost = results.get("cost_vs_target", {})
     for key, ylabel in (("seconds_per_step", "seconds per update"), ("peak_memory_gb", "peak memory (GiB)")):
         targets = sorted({int(t) for rows in cost.values() for t in rows})
         if targets:
             series = {m: [rows.get(str(t), {}).get(key, float("nan")) for t in targets] for m, rows in cost.items()}
             out.append(line_vs_length(folder / f"cost_{key.split('_')[0]}.png", targets, series, ylabel,
-                                      "Training cost vs target length (cf. paper Figure 2b)"))
+                                      "Training cost vs target length (cf. paper Figure 3)"))
     return out
 
 
@@ -112,8 +114,9 @@ def write_report(results: dict, folder: Path, pngs: list[Path]) -> Path:
               "(`pose_mlx.passkey`; lengths shorter than the prompt template are not tested).", ""]
     if passkey_runs:
         parts += [metric_table(results, passkey_runs, "passkey", ".2f"), "", "![passkey](passkey.png)", ""]
-    parts += ["## Cost", "", "Median seconds per update (first update left out) and peak memory of training "
-              "(cf. paper Figure 2b).", "", cost_table(results), ""]
+    parts += ["## Cost", "", "Median seconds per update (first update left out) and peak memory of training, "
+              f"with {c['full_batch']} sequences per update for both methods: Lc tokens each for PoSE, Lt for "
+              "full-length (cf. paper Figure 3).", "", cost_table(results), ""]
     parts += [f"![{p.stem}]({p.name})" for p in pngs if p.stem.startswith("cost_")]
     path = Path(folder) / "report.md"
     path.write_text("\n".join(parts) + "\n")
