@@ -468,12 +468,17 @@ def main(argv=None) -> int:
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    from .longctx import quiet_transformers
     from .train import Interrupted, NonFiniteLoss
 
+    quiet_transformers()  # once per rank under mlx.launch otherwise
     try:
         run(args)
     except Interrupted as exc:
-        print(f"stopped: {exc}", file=sys.stderr)
+        if exc.world.is_main:  # rank 0 saved the checkpoint and reports for the group
+            print(f"stopped: {exc}", file=sys.stderr)
+        # mlx.launch terminates every rank once one exits with an error: the others wait for rank 0's report
+        exc.world.barrier()
         return 128 + exc.signum
     except KeyboardInterrupt:  # outside the training loop (loading, tokenizing, exporting): nothing new saved
         print("stopped: interrupted outside the training loop; no checkpoint was written by it", file=sys.stderr)

@@ -312,20 +312,23 @@ def check_memory(model: nn.Module, lengths: list[int], chunk: int, force: bool =
 # ---------------------------------------------------------------------------------------------------- CLI
 
 
-def cli_main(prog: str) -> Callable:
-    """Decorator for a CLI entry point: an EvalError/ValueError/OSError becomes one line on stderr, exit 2.
+def quiet_transformers() -> None:
+    """Quiet transformers' notices and warnings (set TRANSFORMERS_VERBOSITY to see them): the variable is read
+    at import, and transformers is often imported (by mlx_lm) before this runs, so it is set directly too."""
+    if "TRANSFORMERS_VERBOSITY" not in os.environ:
+        os.environ["TRANSFORMERS_VERBOSITY"] = "error"  # no "PyTorch was not found" notice
+        if "transformers" in sys.modules:  # e.g. "Unrecognized keys in `rope_parameters`"
+            sys.modules["transformers"].logging.set_verbosity_error()
 
-    Also quiets transformers' notices and warnings (set TRANSFORMERS_VERBOSITY to see them): the variable is
-    read at import, and transformers is usually imported (by mlx_lm) before this runs, so it is set directly too.
-    """
+
+def cli_main(prog: str) -> Callable:
+    """Decorator for a CLI entry point: an EvalError/ValueError/OSError becomes one line on stderr, exit 2;
+    transformers' notices are quieted (`quiet_transformers`)."""
 
     def wrap(func: Callable) -> Callable:
         @functools.wraps(func)
         def run(argv=None) -> int:
-            if "TRANSFORMERS_VERBOSITY" not in os.environ:
-                os.environ["TRANSFORMERS_VERBOSITY"] = "error"  # no "PyTorch was not found" notice
-                if "transformers" in sys.modules:  # e.g. "Unrecognized keys in `rope_parameters`"
-                    sys.modules["transformers"].logging.set_verbosity_error()
+            quiet_transformers()
             try:
                 return func(argv) or 0
             except (ValueError, OSError) as error:

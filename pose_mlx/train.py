@@ -47,13 +47,14 @@ class NonFiniteLoss(RuntimeError):
 
 
 class Interrupted(RuntimeError):
-    """Training stopped by a signal after saving a checkpoint at `step`."""
+    """Training stopped by a signal after saving a checkpoint at `step`; raised on every rank of `world`."""
 
-    def __init__(self, signum: int, step: int):
+    def __init__(self, signum: int, step: int, world: World = SINGLE):
         super().__init__(f"interrupted by {signal.Signals(signum).name}; checkpoint saved at step {step}, "
                          "continue with --resume")
         self.signum = signum
         self.step = step
+        self.world = world
 
 
 @dataclass
@@ -219,7 +220,7 @@ def train(model: nn.Module, stream, config: TrainConfig, run_dir, eval_batches: 
                         save_checkpoint(ckpt_dir, step, model, optimizer, stream.state_dict(), metrics=last)
                     saved_step = step
                 if stop:
-                    raise Interrupted(flag.signum or signal.SIGTERM, step)
+                    raise Interrupted(flag.signum or signal.SIGTERM, step, world)
     finally:
         bar.close()
         if restore_call is not None:

@@ -121,3 +121,29 @@ def test_resume_with_another_world_size_is_refused(tiny_model, text_dir, tmp_pat
     code = subprocess.run([sys.executable, *_args(tiny_model, text_dir, out, tmp_path / "cache", 1, "--resume")],
                           capture_output=True, text=True)
     assert code.returncode == 1 and "had 2 ranks" in code.stderr and "Traceback" not in code.stderr
+
+
+
+@pytest.mark.skipif(shutil.which("pgrep") is None, reason="needs pgrep to find the ranks")
+def test_stopped_ranks_report_once(tiny_model, text_dir, tmp_path):
+    """SIGTERM to both ranks (as a cluster scheduler sends it): every rank stops at the same step, rank 0 saves
+    the checkpoint and alone prints the "stopped:" line, and no rank is cut short by the launcher (which
+    terminates the group as soon as one rank exits with an error)."""
+    out = tmp_path / "out"
+    log = tmp_path / "out.partial" / "log.jsonl"
+    proc = _launch(_args(tiny_model, text_dir, out, tmp_path / "cache", 1, "--steps", "400"))
+    start = time.time()
+    while not (log.exists() and len(log.read_text().splitlines()) >= 3):
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.time() - start < 120, "the group did not progress"
+        time.sleep(0.01)
+    group = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    ranks = [int(pid) for pid in group if int(pid) != proc.pid]
+    assert len(ranks) == 2, group
+    for pid in ranks:
+        os.kill(pid, signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert not out.exists()
+    assert stderr.count("stopped: interrupted by SIGTERM") == 1, stderr
+    state = __import__("json").loads((tmp_path / "out.partial" / "checkpoint" / "state.json").read_text())
+    assert state["step"] == len(read_log(log)) < 400
