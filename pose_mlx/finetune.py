@@ -476,7 +476,10 @@ def main(argv=None) -> int:
         run(args)
     except Interrupted as exc:
         if exc.world.is_main:  # rank 0 saved the checkpoint and reports for the group
-            print(f"stopped: {exc}", file=sys.stderr)
+            try:
+                print(f"stopped: {exc}", file=sys.stderr)
+            except OSError:  # stderr was a pipe to an mlx.launch stopped by the same Ctrl-C
+                pass
         # mlx.launch terminates every rank once one exits with an error: the others wait for rank 0's report
         exc.world.barrier()
         return 128 + exc.signum
