@@ -471,7 +471,7 @@ def main(argv=None) -> int:
     from .longctx import quiet_transformers
     from .train import Interrupted, NonFiniteLoss
 
-    quiet_transformers()  # once per rank under mlx.launch otherwise
+    quiet_transformers()  # its notices would otherwise print once per rank under mlx.launch
     try:
         run(args)
     except Interrupted as exc:
