@@ -1,0 +1,73 @@
+"""The one user-error type and the command-line boundary every `python -m pose_mlx.*` command shares.
+
+Contract of a command: input the user can fix raises `UserError` anywhere below the command; `command(prog)`
+turns it into ONE line on stderr, ``prog: error: message``, and exit code 2. Ctrl-C outside a training loop
+prints one line and exits with 130. A full or read-only disk (and a permission denied) is the user's
+environment, not a bug: one line and exit code 2 as well. Every other exception is a bug and keeps its
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import functools
+import sys
+from typing import Callable
+
+#: errno values of OSError that describe the user's machine (disk full, read-only, permissions), not a bug.
+ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT})
+EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130
+
+
+class UserError(Exception):
+    """Bad input the user can fix (a flag, a file, a model, a setting): reported as one line, exit code 2."""
+
+
+def one_line(message: object) -> str:
+    """`message` folded onto one line (newlines and runs of spaces become single spaces)."""
+    return " ".join(str(message).split())
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors (unknown flag, bad value, missing argument) raise `UserError` instead of printing
+    the whole usage block and exiting."""
+
+    def error(self, message):
+        raise UserError(message)
+
+
+def command(prog: str) -> Callable:
+    """Decorator of a CLI entry point `main(argv) -> int | None`: the one place user errors become exit codes."""
+
+    def wrap(func: Callable) -> Callable:
+        @functools.wraps(func)
+        def main(argv=None) -> int:
+            try:
+                return func(argv) or 0
+            except UserError as error:
+                _report(prog, error)
+                return EXIT_USER_ERROR
+            except OSError as error:
+                if error.errno not in ENVIRONMENT_ERRNOS:
+                    raise
+                _report(prog, f"{error.strerror}: {error.filename}" if error.filename else error.strerror)
+                return EXIT_USER_ERROR
+            except KeyboardInterrupt:
+                _report(prog, "interrupted", kind="stopped")
+                return EXIT_INTERRUPTED
+
+        return main
+
+    return wrap
+
+
+def _report(prog: str, message: object, kind: str = "error") -> None:
+    try:
+        print(f"{prog}: {kind}: {one_line(message)}", file=sys.stderr, flush=True)
+    except OSError:  # stderr is gone (a closed pipe): the exit code still tells
+        pass
+
+
+__all__ = ["ArgumentParser", "EXIT_INTERRUPTED", "EXIT_USER_ERROR", "UserError", "command", "one_line"]
