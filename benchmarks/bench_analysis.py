@@ -36,13 +36,14 @@ def loop_histograms(inv_freq, length: int, bins: int) -> np.ndarray:
 
 
 def loop_dprope(theta, original: int, target: int, bins: int) -> np.ndarray:
+    """KL(P_pre || P_candidate) per dimension, every bin's count floored at 2^-14 (the authors' rule)."""
     s = target / original
-    pre = np.where((p := loop_histograms(theta, original, bins)) > 0, p, 1e-10)
-    pre = pre / pre.sum(axis=1, keepdims=True)
+    floor = 2.0 ** -14
+    pre = loop_histograms(theta, original, bins) + floor / original
     out = []
-    for e, i, q in zip(loop_histograms(theta, target, bins), loop_histograms(theta / s, target, bins), pre):
-        kl_e = sum(a * math.log(a / b) for a, b in zip(e, q) if a > 0)
-        kl_i = sum(a * math.log(a / b) for a, b in zip(i, q) if a > 0)
+    for e, i, p in zip(loop_histograms(theta, target, bins), loop_histograms(theta / s, target, bins), pre):
+        kl_e = sum(a * math.log(a / (b + floor / target)) for a, b in zip(p, e))
+        kl_i = sum(a * math.log(a / (b + floor / target)) for a, b in zip(p, i))
         out.append(1.0 if kl_e <= kl_i else s)
     return np.array(out)
 
@@ -71,7 +72,7 @@ def main(argv=None) -> None:
     theta = rope_inv_freq(args.head_dim, args.base)
     pairs = len(theta)
     hist_fast = best_of(lambda: angle_histograms(theta, args.target, args.bins), args.repeats)
-    dprope_fast = best_of(lambda: dprope_factors(args.head_dim, args.base, args.original, args.target, args.bins),
+    dprope_fast = best_of(lambda: dprope_factors(theta, args.original, args.target, args.bins),
                           args.repeats)
     # the loop on the lowest- and highest-frequency dims (both ends of the spectrum), extrapolated to all pairs
     sub = theta[np.linspace(0, pairs - 1, args.loop_dims).round().astype(int)]
@@ -95,7 +96,7 @@ def main(argv=None) -> None:
         "loop_note": f"loop timed on {len(sub)} of {pairs} dimension pairs and scaled linearly to {pairs}",
         "max_abs_histogram_difference": float(np.abs(loop_hist_sub - fast_sub).max()),
         "factors_agree_on_timed_dims": bool(np.array_equal(loop_factors, dprope_factors(
-            args.head_dim, args.base, args.original, args.target, args.bins)[idx])),
+            theta, args.original, args.target, args.bins)[idx])),
         "vectorised_timing": f"best of {args.repeats}",
     }
     path = write_results("analysis", results, args.out)

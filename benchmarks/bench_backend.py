@@ -38,14 +38,15 @@ def _times(fn, min_reps: int, min_seconds: float) -> list[float]:
 
 def measure(args) -> dict:
     """Run in a child process: import pose_mlx (loads the BLAS chosen by $POSE_MLX_BLAS), then measure."""
-    import pose_mlx  # noqa: F401  (before mlx)
+    import pose_mlx  # noqa: F401
     from pose_mlx.backend import status
 
     import mlx.core as mx
     import mlx.nn as nn
     import mlx.optimizers as optim
 
-    from pose_mlx.toy import build_model, model_config
+    from pose_mlx.model.source import build_model
+    from pose_mlx.toy import model_config
 
     mx.random.seed(0)
     n = args.size

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-import pose_mlx  # noqa: F401  (fast BLAS before mlx)
+import pose_mlx  # noqa: F401
 import mlx.core as mx
 from mlx_lm.models import llama
 

@@ -2,7 +2,7 @@
 
 As in the paper, every step trains the same number of sequences (`--batch`): PoSE sequences have Lc tokens
 with position ids up to Lt, full-length sequences have Lt tokens. Each configuration is a real
-`pose_mlx.train.train` run (full fine-tuning, linear schedule s = Lt / Lc) of a random-weight mlx-lm llama on a
+`pose_mlx.training.loop.train` run (full fine-tuning, linear schedule s = Lt / Lc) of a random-weight mlx-lm llama on a
 synthetic corpus; its log gives seconds per step (first step, which compiles, left out) and
 `mx.get_peak_memory()`; MLX's buffer cache is emptied before each run. Full-length stops at `--full-max` (its cost
 grows with Lt), PoSE goes on to `--pose-max`. Each of `--rounds` rounds runs every full-length ratio once, and
@@ -31,15 +31,16 @@ from pathlib import Path
 
 import numpy as np
 
-import pose_mlx  # noqa: F401  (fast BLAS before mlx)
+import pose_mlx  # noqa: F401
 import mlx.core as mx
 
-from pose_mlx import extend
+from pose_mlx import extend, use_positions
 from pose_mlx.backend import status as blas_status
-from pose_mlx.data import ExampleStream
+from pose_mlx.training.data import ExampleStream
 from pose_mlx.plots import _pyplot
-from pose_mlx.toy import build_model, model_config
-from pose_mlx.train import TrainConfig, train
+from pose_mlx.model.source import build_model
+from pose_mlx.toy import model_config
+from pose_mlx.training.loop import TrainConfig, train
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS_DIR, synthetic_corpus, write_results  # noqa: E402
@@ -58,7 +59,7 @@ def measure(args, corpus, method: str, ratio: int) -> dict:
     extend(model, "linear", args.window, target)
     stream = ExampleStream(corpus, args.window, target, method=method, batch_size=args.batch, seed=ratio)
     with tempfile.TemporaryDirectory() as run_dir:
-        train(model, stream, TrainConfig(steps=steps, lr=1e-4, warmup=1, progress=False), run_dir)
+        train(model, stream, TrainConfig(steps=steps, lr=1e-4, warmup=1, progress=False), run_dir, use_positions)
         log = [json.loads(line) for line in (Path(run_dir) / "log.jsonl").read_text().splitlines()]
     del model, stream
     sequence = log[-1]["tokens"] // args.batch

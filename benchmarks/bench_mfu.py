@@ -5,10 +5,10 @@ Peak and steps are measured side by side in one process:
     measured before and after the step timings (the machine is noisy) and their mean is used;
   - one full fine-tuning update (forward, backward, gradient clipping, AdamW) of a random-weight mlx-lm llama
     extended with `pose_mlx.extend(model, "linear", Lc, Lc * factor)`, on PoSE batches from the real data path
-    (`pose_mlx.data.ExampleStream` over a synthetic corpus), in two variants timed interleaved (A, B, A, B, ...)
+    (`pose_mlx.training.data.ExampleStream` over a synthetic corpus), in two variants timed interleaved (A, B, A, B, ...)
     for `--steps` updates after `--warmup` (median per variant; each update includes drawing its batch):
-      eager     the product's step, `pose_mlx.train.make_update` with `TrainConfig(compile=False)`;
-      compiled  the same with `compile=True` (the default of `pose_mlx.train.train`): gradients and the
+      eager     the product's step, `pose_mlx.training.loop.make_update` with `TrainConfig(compile=False)`;
+      compiled  the same with `compile=True` (the default of `pose_mlx.training.loop.train`): gradients and the
                 optimizer update under `mx.compile`, positions passed in as an array argument.
     Each variant has its own model (same seed) and its own stream (same seed), so both see the same batches;
     their losses must agree to `--loss-tol` (the first update starts from identical weights).
@@ -30,15 +30,16 @@ from pathlib import Path
 
 import numpy as np
 
-import pose_mlx  # noqa: F401  (fast BLAS before mlx)
+import pose_mlx  # noqa: F401
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from pose_mlx import extend
+from pose_mlx import extend, use_positions
 from pose_mlx.backend import status as blas_status
-from pose_mlx.data import ExampleStream
-from pose_mlx.toy import build_model, model_config
-from pose_mlx.train import TrainConfig, make_optimizer, make_update
+from pose_mlx.training.data import ExampleStream
+from pose_mlx.model.source import build_model
+from pose_mlx.toy import model_config
+from pose_mlx.training.loop import TrainConfig, make_optimizer, make_update
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS_DIR, synthetic_corpus, write_results  # noqa: E402
@@ -72,10 +73,10 @@ def build(args):
 
 
 def make_variant(args, corpus, config: TrainConfig):
-    """The product's update, `pose_mlx.train.make_update` (what `pose_mlx.train.train` runs), for `config`
+    """The product's update, `pose_mlx.training.loop.make_update` (what `pose_mlx.training.loop.train` runs), for `config`
     (its `compile` flag picks the variant), on its own model and PoSE batch stream."""
     model = build(args)
-    update = make_update(model, make_optimizer(config), config)
+    update = make_update(model, make_optimizer(config), config, use_positions)
     batches = iter(ExampleStream(corpus, args.window, args.window * args.factor, method="pose",
                                  batch_size=args.batch, seed=0))
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-import pose_mlx  # noqa: F401  (fast BLAS before mlx)
+import pose_mlx  # noqa: F401
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
@@ -23,7 +23,8 @@ import mlx.optimizers as optim
 from pose_mlx import extend, use_positions
 from pose_mlx.backend import status as blas_status
 from pose_mlx.positions import pose_position_ids
-from pose_mlx.toy import build_model, model_config
+from pose_mlx.model.source import build_model
+from pose_mlx.toy import model_config
 
 
 def build(args):
@@ -67,11 +68,11 @@ def rope_per_chunk(x, ids, dims, freqs):
 
 def time_rope_op(args, rng, repeats=30):
     """Forward + backward of the RoPE op alone on (B, H, Lc, head_dim): cos/sin path vs per-chunk fast.rope."""
-    from pose_mlx.patch import PositionRoPE, _PositionHolder
+    from pose_mlx.model.patch import PositionRoPE, _Holder
 
     head_dim = args.hidden // args.heads
     inv_freq = 10000.0 ** (-np.arange(0, head_dim, 2) / head_dim) / (args.target / args.window)
-    holder = _PositionHolder()
+    holder = _Holder()
     rope = PositionRoPE(head_dim, inv_freq, False, holder=holder)
     x = mx.random.normal((args.batch, args.heads, args.window, head_dim))
     ids = np.stack([pose_position_ids(args.window, args.target, rng=rng) for _ in range(args.batch)])

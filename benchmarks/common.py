@@ -47,11 +47,11 @@ def write_results(name: str, results: dict, path: str | Path | None = None) -> P
 
 
 def synthetic_corpus(vocab: int, docs: int, length: int, seed: int = 0):
-    """A `pose_mlx.data.TokenizedCorpus` of `docs` documents of `length` random token ids in [3, vocab)
+    """A `pose_mlx.training.data.TokenizedCorpus` of `docs` documents of `length` random token ids in [3, vocab)
     (the content does not change the cost of a training step)."""
     import numpy as np
 
-    from pose_mlx.data import TokenizedCorpus
+    from pose_mlx.training.data import TokenizedCorpus
 
     tokens = np.random.default_rng(seed).integers(3, vocab, size=docs * length).astype(np.int32)
     offsets = np.arange(docs + 1, dtype=np.int64) * length

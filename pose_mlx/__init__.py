@@ -1,8 +1,9 @@
 """pose-mlx: context-window extension for RoPE language models on MLX, built around PoSE.
 
-Importing the package loads an optimized BLAS for MLX on Linux (see `pose_mlx.backend`) and does not
-import MLX itself, so NumPy-only parts (`pose_mlx.positions`, `pose_mlx.rope`, `pose_mlx.analysis`) stay
-light. The MLX-facing API (`extend`, `use_positions`, `load`, ...) is imported on first use.
+Importing the package loads an optimized BLAS for MLX on Linux (`pose_mlx.backend`, the one place that does
+it) and does not import MLX itself, so NumPy-only parts (`pose_mlx.positions`, `pose_mlx.rope`,
+`pose_mlx.analysis`) stay light. The MLX-facing API (`extend`, `use_positions`, `load`, ...) is imported on
+first use.
 """
 
 from . import backend as _backend
@@ -12,11 +13,13 @@ _backend.load_fast_blas()
 __version__ = "0.1.0"
 
 _LAZY = {
-    "extend": "pose_mlx.patch",
-    "use_positions": "pose_mlx.patch",
-    "PositionRoPE": "pose_mlx.patch",
-    "find_rope_modules": "pose_mlx.patch",
-    "load": "pose_mlx.patch",
+    "extend": "pose_mlx.model.patch",
+    "use_positions": "pose_mlx.model.patch",
+    "use_length": "pose_mlx.model.patch",
+    "PositionRoPE": "pose_mlx.model.patch",
+    "find_rope_modules": "pose_mlx.model.patch",
+    "load": "pose_mlx.model.source",
+    "UserError": "pose_mlx.errors",
     "pose_position_ids": "pose_mlx.positions",
     "randpos_position_ids": "pose_mlx.positions",
     "sample_example": "pose_mlx.positions",

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
 from . import finetune, perplexity, toy
+from .errors import ArgumentParser, UserError, command
 
 PRETRAINED = Path(__file__).resolve().parent / "sim" / "pretrained"
 
@@ -28,7 +30,7 @@ def write_corpus(folder: Path, test_docs: int, train_docs: int | None, min_chars
     """Stdlib sources as .txt files: the `test_docs` longest go to test/, the next `train_docs` to train/."""
     texts = sorted(toy.stdlib_texts(min_chars=min_chars), key=len, reverse=True)
     if len(texts) <= test_docs:
-        raise SystemExit(f"demo: only {len(texts)} standard-library files found")
+        raise UserError(f"only {len(texts)} standard-library files found; the demo needs more than --test-docs")
     train, test = folder / "train", folder / "test"
     rest = texts[test_docs:] if train_docs is None else texts[test_docs:test_docs + train_docs]
     for sub, docs in ((test, texts[:test_docs]), (train, rest)):
@@ -39,8 +41,8 @@ def write_corpus(folder: Path, test_docs: int, train_docs: int | None, min_chars
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pose_mlx.demo", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m pose_mlx.demo", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="out/demo", help="working folder (default out/demo)")
     p.add_argument("--model", default=str(PRETRAINED),
                    help="base model folder (default: the simulator's pre-trained model shipped with pose_mlx)")
@@ -58,12 +60,22 @@ def _window(model: Path) -> int:
     return int(config["max_position_embeddings"])
 
 
+def _check(args) -> None:
+    for name, low in (("factor", 2), ("steps", 1), ("batch_size", 1), ("test_docs", 1), ("train_docs", 1)):
+        value = getattr(args, name)
+        if value is not None and value < low:
+            raise UserError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise UserError(f"--lr must be a finite number > 0, got {args.lr}")
+    if not (Path(args.model) / "config.json").is_file():
+        raise UserError(f"--model {args.model} has no config.json")
+
+
+@command("pose_mlx.demo")
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    _check(args)
     out, model = Path(args.out), Path(args.model)
-    if not (model / "config.json").is_file():
-        print(f"pose_mlx.demo: error: --model {model} has no config.json", file=sys.stderr)
-        return 2
     window = _window(model)
     target = window * args.factor
     print(f"[1/3] corpus: standard-library sources -> {out / 'corpus'}")
@@ -81,7 +93,7 @@ def main(argv=None) -> int:
     common = ["--data", str(test), "--lengths", lengths, "--docs", str(args.test_docs), "--stride", str(window),
               "--no-progress"]
     models = {"original": ["--model", str(model)],
-              "PI only (no training)": ["--model", str(model), "--scaling", "linear", "--target", str(target)],
+              "PI only (no training)": ["--model", str(model), "--schedule", "linear", "--target", str(target)],
               "PoSE + PI": ["--model", str(out / "pose")]}
     results = {}
     for name, extra in models.items():

@@ -1,22 +1,20 @@
-"""Shared machinery of the long-context evaluators (`pose_mlx.perplexity`, `pose_mlx.passkey`).
+"""Shared machinery of the long-context evaluators (`pose_mlx.perplexity`, `pose_mlx.passkey`, ...).
 
-- `load_eval_model`: a folder written by `finetune` (its `pose_mlx.json` schedule is re-applied), or a raw
-  model extended on the fly with `--scaling/--target` (e.g. PI-only: linear interpolation, no training).
+- `load_eval_model`: any model reference finetune accepts (folder, .gguf file, hub id, alias); a folder written
+  by `finetune` gets its `pose_mlx.json` schedule re-applied, a raw model can be extended on the fly with
+  `--schedule/--target` (e.g. PI-only: linear interpolation, no training).
 - `chunked_nll` / `chunked_logits` / `prefill`: feed a long sequence through mlx-lm's KV cache C tokens at a
   time ("chunked prefill"). Causal attention makes this exact: token t attends to the cached keys 0..t, so
   the logits equal those of one full forward, while the attention scores held at once are C x L instead of
-  L x L and memory grows with the cache (linear in L).
+  L x L and memory grows with the cache (linear in L). A dynamic-NTK model sets its base from the whole
+  sequence's length (`pose_mlx.model.patch.use_length`), so the chunk size changes nothing.
 - `estimate_memory`: weights + KV cache (2 * layers * kv_heads * head_dim * L * bytes) + one chunk's attention
   scores (C * L * heads * 4 bytes) + one chunk's logits (C * vocab * 4 bytes), compared with the RAM.
-- `parse_lengths`: "2k,4k,8192" -> [2048, 4096, 8192].
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import os
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,51 +22,16 @@ from typing import Callable
 
 import numpy as np
 
-from . import backend as _backend  # noqa: F401  (fast BLAS before mlx)
-
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer.tiktoken", "tiktoken.model")
+from .model import source
+from .errors import ArgumentParser, UserError
+from .lengths import default_lengths, parse_lengths
+from .model.patch import extend, use_length
+
 DEFAULT_CHUNK = 512
-
-
-class EvalError(ValueError):
-    """A bad input to an evaluation command; the CLI prints its message as one line and exits non-zero."""
-
-
-# ----------------------------------------------------------------------------------------------- lengths
-
-
-def parse_lengths(text: str) -> list[int]:
-    """Parse a comma-separated list of lengths: plain integers or a `k` suffix (x1024). Sorted, unique.
-
-    >>> parse_lengths("2k,4k,8192")
-    [2048, 4096, 8192]
-    """
-    lengths = []
-    for item in str(text).split(","):
-        item = item.strip().lower()
-        match = re.fullmatch(r"(\d+)(k?)", item)
-        if not match:
-            raise EvalError(f"--lengths: cannot parse {item!r} in {text!r} (expected e.g. 2k,4k,8192)")
-        value = int(match.group(1)) * (1024 if match.group(2) else 1)
-        if value < 2:
-            raise EvalError(f"--lengths: {item!r} is too short (a window needs at least 2 tokens)")
-        lengths.append(value)
-    return sorted(set(lengths))
-
-
-def default_lengths(original_length: int, max_length: int) -> list[int]:
-    """Doubling from half the original window up to `max_length` (which is always included)."""
-    lengths, length = [], max(2, original_length // 2)
-    while length <= max_length:
-        lengths.append(length)
-        length *= 2
-    if not lengths or lengths[-1] != max_length:
-        lengths.append(max_length)
-    return lengths
 
 
 # ----------------------------------------------------------------------------------------------- loading
@@ -81,73 +44,54 @@ class EvalModel:
     model: nn.Module
     tokenizer: object
     path: str
-    original_length: int  # the pre-training window (Lc)
-    max_length: int  # the window the model claims (Lt, or max_position_embeddings)
-    schedule: str  # e.g. "none", "linear (from pose_mlx.json)", "linear (--scaling)"
+    original: int  # the pre-training window
+    maximum: int  # the window the model claims (the target of an extension, or max_position_embeddings)
+    schedule: str  # e.g. "none", "linear x8 (from pose_mlx.json)", "yarn x4 (--schedule, no training)"
+
+    @property
+    def name(self) -> str:
+        return Path(self.path).stem if self.path.endswith(".gguf") else Path(self.path).name
 
 
-def _read_config(folder: Path) -> dict:
-    try:
-        return json.loads((folder / "config.json").read_text())
-    except FileNotFoundError:
-        raise EvalError(f"--model: {folder} has no config.json (not an mlx-lm model folder)") from None
-
-
-def _config_windows(config: dict) -> tuple[int, int]:
-    """(original window, max window) from a config: rope_scaling's original length when present."""
-    max_len = config.get("max_position_embeddings") or config.get("n_positions") or config.get("seq_length")
-    scaling = config.get("rope_scaling") or {}
-    original = config.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
-    if max_len is None:
-        raise EvalError("--model: config.json has no max_position_embeddings; pass --lengths and --original")
-    return int(original or max_len), int(max_len)
-
-
-def load_eval_model(
-    path: str | Path, scaling: str | None = None, target: int | None = None, original: int | None = None
-) -> EvalModel:
-    """Load `path` with `pose_mlx.patch.load` (re-applies a saved schedule); optionally extend it here.
-
-    `scaling`/`target`: extend a raw model with schedule `scaling` (default "linear" = Position Interpolation)
-    from `original` (default: the config's window) to `target` tokens, without training.
-    """
-    folder = Path(path)
-    if not folder.is_dir():
-        raise EvalError(f"--model: {folder} is not a folder")
-    config = _read_config(folder)
-    if not any((folder / name).exists() for name in TOKENIZER_FILES):
-        raise EvalError(
-            f"--model: {folder} has no tokenizer files (expected one of {', '.join(TOKENIZER_FILES)}); "
-            "copy them from the base model"
-        )
-    if (folder / "pose_mlx.json").exists() or scaling or target:
-        from .patch import load  # re-applies the saved schedule
-    else:
-        from mlx_lm import load
-
-    model, tokenizer = load(str(folder))
-    cfg_original, cfg_max = _config_windows(config)
+def load_eval_model(reference: str, schedule: str | None = None, target: str | None = None,
+                    original: int | None = None) -> EvalModel:
+    """Load `reference` (folder, .gguf file, hub id or alias) with its saved schedule re-applied; optionally
+    extend a raw model here with `schedule` (default "linear" = Position Interpolation) from `original` (default:
+    the config's window) to `target` tokens (the length grammar: 32768, 32k, 8x), without training."""
+    ref = source.resolve(reference)
+    model, tokenizer, config = source.load(ref, return_config=True)
+    cfg_original = source.original_window(config, ref)
     extension = getattr(model, "pose_extension", None)
-    if extension is not None and (scaling or target):
-        raise EvalError(f"--scaling/--target: {folder} is already extended ({extension.method}); drop them")
     if extension is not None:
-        return EvalModel(model, tokenizer, str(folder), extension.original_length, extension.target_length,
-                         f"{extension.method} x{extension.factor:g} (from pose_mlx.json)")
-    if scaling or target:
+        if schedule or target:
+            raise UserError(f"--schedule/--target: {reference} is already extended ({extension.schedule}); "
+                            "drop them")
+        return EvalModel(model, tokenizer, str(ref.path), extension.original, extension.target,
+                         f"{extension.schedule} x{extension.factor:g} (from pose_mlx.json)")
+    base = int(original or cfg_original or 0)
+    if schedule or target:
         if not target:
-            raise EvalError("--target: required with --scaling (the length to extend to)")
-        base_len = int(original or cfg_original)
-        if int(target) < base_len:
-            raise EvalError(f"--target: {target} is shorter than the original window {base_len}")
-        method = scaling or "linear"
-        from .patch import extend
+            raise UserError("--target: required with --schedule (the length to extend to)")
+        if not base:
+            raise UserError("--original: the model config does not say its window; pass --original")
+        length = _target_length(target, base)
+        name = schedule or "linear"
+        extend(model, name, base, length)
+        return EvalModel(model, tokenizer, str(ref.path), base, length,
+                         f"{name} x{length / base:g} (--schedule, no training)")
+    maximum = config.get("max_position_embeddings") or base
+    if not base or not maximum:
+        raise UserError("--model: the config does not say the model's window; pass --original (and --lengths)")
+    return EvalModel(model, tokenizer, str(ref.path), base, int(maximum), "as configured")
 
-        extend(model, method, base_len, int(target))
-        return EvalModel(model, tokenizer, str(folder), base_len, int(target),
-                         f"{method} x{target / base_len:g} (--scaling, no training)")
-    if original:
-        cfg_original = int(original)
-    return EvalModel(model, tokenizer, str(folder), cfg_original, cfg_max, "as configured")
+
+def _target_length(text: str, original: int) -> int:
+    from .lengths import parse_length
+
+    length = parse_length(text, original, "--target")
+    if length < original:
+        raise UserError(f"--target: {length} is shorter than the original window {original}")
+    return length
 
 
 def bos_id(tokenizer) -> int:
@@ -156,7 +100,7 @@ def bos_id(tokenizer) -> int:
         value = getattr(tokenizer, name, None)
         if value is not None:
             return int(value)
-    raise EvalError("--model: the tokenizer has neither a BOS nor an EOS token to start windows with")
+    raise UserError("--model: the tokenizer has neither a BOS nor an EOS token to start windows with")
 
 
 def encode(tokenizer, text: str) -> list[int]:
@@ -188,14 +132,21 @@ def prefill(
     if ids.ndim != 1 or ids.size == 0:
         raise ValueError(f"tokens must be a non-empty 1-D sequence, got shape {tuple(ids.shape)}")
     last = None
-    for start in range(0, ids.size, chunk):
-        logits = model(ids[None, start : start + chunk], cache=cache)[0].astype(mx.float32)
-        if on_chunk is not None:
-            on_chunk(start, logits)
-        last = logits[-1]
-        mx.eval(last)
-        _eval_cache(cache)
+    with use_length(model, _cache_offset(cache) + ids.size):
+        for start in range(0, ids.size, chunk):
+            logits = model(ids[None, start : start + chunk], cache=cache)[0].astype(mx.float32)
+            if on_chunk is not None:
+                on_chunk(start, logits)
+            last = logits[-1]
+            mx.eval(last)
+            _eval_cache(cache)
     return last
+
+
+def _cache_offset(cache: list) -> int:
+    """Tokens already in the KV cache (0 for an empty one)."""
+    offset = getattr(cache[0], "offset", 0) if cache else 0
+    return int(offset if isinstance(offset, int) else mx.max(offset).item())
 
 
 def chunked_nll(model: nn.Module, tokens, chunk: int = DEFAULT_CHUNK) -> np.ndarray:
@@ -297,14 +248,14 @@ def physical_memory() -> int | None:
 
 
 def check_memory(model: nn.Module, lengths: list[int], chunk: int, force: bool = False) -> MemoryEstimate:
-    """Estimate the longest length's memory; raise EvalError (or only warn with `force`) above the RAM."""
+    """Estimate the longest length's memory; raise UserError (or only warn with `force`) above the RAM."""
     estimate = estimate_memory(model, max(lengths), chunk)
     ram = physical_memory()
     if ram is not None and estimate.total > ram:
         message = (f"--lengths: evaluation needs about {estimate.describe()}, more than this machine's "
                    f"{ram / 2**30:.1f} GiB; use shorter --lengths or a smaller --chunk (or --force)")
         if not force:
-            raise EvalError(message)
+            raise UserError(message)
         print(f"warning: {message}", file=sys.stderr)
     return estimate
 
@@ -312,56 +263,47 @@ def check_memory(model: nn.Module, lengths: list[int], chunk: int, force: bool =
 # ---------------------------------------------------------------------------------------------------- CLI
 
 
-def quiet_transformers() -> None:
-    """Quiet transformers' notices and warnings (set TRANSFORMERS_VERBOSITY to see them): the variable is read
-    at import, and transformers is often imported (by mlx_lm) before this runs, so it is set directly too."""
-    if "TRANSFORMERS_VERBOSITY" not in os.environ:
-        os.environ["TRANSFORMERS_VERBOSITY"] = "error"  # no "PyTorch was not found" notice
-        if "transformers" in sys.modules:  # e.g. "Unrecognized keys in `rope_parameters`"
-            sys.modules["transformers"].logging.set_verbosity_error()
-
-
-def cli_main(prog: str) -> Callable:
-    """Decorator for a CLI entry point: an EvalError/ValueError/OSError becomes one line on stderr, exit 2;
-    transformers' notices are quieted (`quiet_transformers`)."""
-
-    def wrap(func: Callable) -> Callable:
-        @functools.wraps(func)
-        def run(argv=None) -> int:
-            quiet_transformers()
-            try:
-                return func(argv) or 0
-            except (ValueError, OSError) as error:
-                print(f"{prog}: error: {error}", file=sys.stderr)
-                return 2
-
-        return run
-
-    return wrap
-
-
-def add_model_arguments(parser) -> None:
-    """--model, --scaling, --target, --original, --chunk, --force, --no-progress."""
-    parser.add_argument("--model", required=True, help="model folder (e.g. written by pose_mlx.finetune)")
-    parser.add_argument("--scaling", default=None,
+def eval_parser(prog: str, description: str) -> ArgumentParser:
+    """The evaluators' shared flags: --model, --schedule (--scaling), --target, --original, --chunk, --force,
+    --no-progress."""
+    parser = ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--model", required=True, help="model folder (e.g. written by pose_mlx.finetune), .gguf "
+                                                       "file, Hugging Face hub id, or an alias of pose_mlx.finetune")
+    parser.add_argument("--schedule", "--scaling", dest="schedule", default=None,
                         help="extend a raw model with this RoPE schedule before evaluating (default with --target: "
                              "linear = Position Interpolation), no training")
-    parser.add_argument("--target", type=int, default=None, help="target window for --scaling")
+    parser.add_argument("--target", default=None, help="target window for --schedule: 32768, 32k or 8x")
     parser.add_argument("--original", type=int, default=None,
                         help="the model's pre-training window (default: from pose_mlx.json or config.json)")
     parser.add_argument("--chunk", type=int, default=DEFAULT_CHUNK,
                         help=f"tokens per prefill chunk (memory ~ chunk x length; default {DEFAULT_CHUNK})")
     parser.add_argument("--force", action="store_true", help="run even when the memory estimate exceeds the RAM")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    return parser
+
+
+def check_chunk(chunk: int) -> None:
+    if not 1 <= chunk <= 1 << 20:
+        raise UserError(f"--chunk must be between 1 and {1 << 20}, got {chunk}")
 
 
 def resolve_lengths(arg: str | None, info: EvalModel) -> list[int]:
-    """`--lengths` parsed, or the default doubling from half the original window to the model's maximum."""
-    return parse_lengths(arg) if arg else default_lengths(info.original_length, info.max_length)
+    """`--lengths` (the length grammar: 2k,4k,8192 or 1x,2x,4x of the original window), or the default doubling
+    from half the original window to the model's maximum."""
+    return parse_lengths(arg, info.original) if arg else default_lengths(info.original, info.maximum)
+
+
+def default_output(kind: str, info: EvalModel, given: str | None) -> Path:
+    """`--output`, or `<kind>-<model name>.json` in the current folder (said on stderr)."""
+    if given:
+        return Path(given)
+    path = Path(f"{kind}-{info.name}.json")
+    print(f"no --output given: writing {path}", file=sys.stderr)
+    return path
 
 
 __all__ = [
-    "DEFAULT_CHUNK", "EvalError", "EvalModel", "MemoryEstimate", "add_model_arguments", "bos_id", "check_memory",
-    "chunked_logits", "chunked_nll", "cli_main", "default_lengths", "encode", "estimate_memory", "load_eval_model",
-    "parse_lengths", "physical_memory", "prefill", "resolve_lengths",
+    "DEFAULT_CHUNK", "EvalModel", "MemoryEstimate", "bos_id", "check_chunk", "check_memory", "chunked_logits",
+    "chunked_nll", "default_output", "encode", "estimate_memory", "eval_parser", "load_eval_model", "physical_memory",
+    "prefill", "resolve_lengths",
 ]

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from . import longctx
-from .longctx import EvalError
+from .errors import UserError, command
 
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
@@ -54,7 +54,7 @@ def build_prompt(tokenizer, bos: int, length: int, depth: float, key: int) -> li
 
     empty = count(0)
     if empty > length:
-        raise EvalError(f"--lengths: {length} tokens is shorter than the passkey template alone ({empty} tokens)")
+        raise UserError(f"--lengths: {length} tokens is shorter than the passkey template alone ({empty} tokens)")
     per_sentence = max((count(50) - empty) / 50, 1e-3)
     n = max(0, int((length - empty) / per_sentence))
     while n > 0 and count(n) > length:
@@ -76,7 +76,9 @@ class PrefixCachedGenerator:
     def __init__(self, model, chunk: int = longctx.DEFAULT_CHUNK, reuse: bool = True):
         self.model, self.chunk = model, chunk
         self.cache = make_prompt_cache(model)
-        self.reuse = reuse and can_trim_prompt_cache(self.cache)
+        # a dynamic-NTK model rotates keys by a base set by the whole prompt's length: no prefix is shared
+        dynamic = getattr(getattr(model, "pose_extension", None), "dynamic", False)
+        self.reuse = reuse and not dynamic and can_trim_prompt_cache(self.cache)
         self.cached: list[int] = []  # the tokens whose keys/values are in the cache
         self.computed = 0  # prompt tokens actually fed through the model (for the reuse statistic)
 
@@ -124,9 +126,9 @@ class Trial:
 def trial_plan(lengths: list[int], trials: int, depths: int | None, seed: int) -> list[tuple[int, float, int]]:
     """(length, depth, key) for every trial; depths on a grid of `depths` points in [0, 1] or uniform."""
     if trials < 1:
-        raise EvalError(f"--trials: {trials} must be >= 1")
+        raise UserError(f"--trials: {trials} must be >= 1")
     if depths is not None and depths < 1:
-        raise EvalError(f"--depths: {depths} must be >= 1")
+        raise UserError(f"--depths: {depths} must be >= 1")
     rng = np.random.default_rng(seed)
     grid = np.linspace(0.0, 1.0, depths) if depths and depths > 1 else np.array([0.5]) if depths else None
     plan = []
@@ -201,38 +203,44 @@ def format_table(accuracy: list[dict]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m pose_mlx.passkey", description=__doc__.split("\n")[0])
-    longctx.add_model_arguments(parser)
-    parser.add_argument("--lengths", default=None, help="prompt lengths, e.g. 2k,4k,8192 (default: doubling from "
-                                                        "half the original window to the model's maximum)")
+    parser = longctx.eval_parser("python -m pose_mlx.passkey", __doc__.split("\n")[0])
+    parser.add_argument("--lengths", default=None, help="prompt lengths, e.g. 2k,4k,8192 or 1x,2x,4x of the original "
+                                                        "window (default: doubling from half the original window to "
+                                                        "the model's maximum)")
     parser.add_argument("--trials", type=int, default=50, help="trials per length (default 50)")
     parser.add_argument("--depths", type=int, default=None,
                         help="put the needle on a grid of this many depths in [0, 1] (default: uniform random)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the keys and random depths (default 0)")
     parser.add_argument("--output", default=None,
-                        help="write JSON results here (and <stem>_accuracy.png, <stem>_heatmap.png next to it)")
+                        help="write JSON results here (and <stem>_accuracy.png, <stem>_heatmap.png next to it; "
+                             "default passkey-<model name>.json)")
     return parser
 
 
-@longctx.cli_main("pose_mlx.passkey")
+@command("pose_mlx.passkey")
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if args.chunk < 1:
-        raise EvalError("--chunk must be >= 1")
+    longctx.check_chunk(args.chunk)
+    if args.seed < 0:
+        raise UserError(f"--seed must be >= 0, got {args.seed}")
+    if args.trials > 100_000:
+        raise UserError(f"--trials must be at most 100000, got {args.trials}")
     trial_plan([], args.trials, args.depths, args.seed)  # --trials/--depths checked before loading the model
-    lengths = longctx.parse_lengths(args.lengths) if args.lengths else None
-    info = longctx.load_eval_model(args.model, args.scaling, args.target, args.original)
-    if lengths is None:  # defaults: drop those too short for the template
+    if args.lengths:
+        longctx.parse_lengths(args.lengths, 1)  # the grammar, before loading ('x' lengths need the model)
+    info = longctx.load_eval_model(args.model, args.schedule, args.target, args.original)
+    lengths = longctx.resolve_lengths(args.lengths, info)
+    if not args.lengths:  # defaults: drop those too short for the template
         template = len(prompt_tokens(info.tokenizer, longctx.bos_id(info.tokenizer), 0, 0.5, 99_999))
-        lengths = [n for n in longctx.resolve_lengths(None, info) if n >= template]
+        lengths = [n for n in lengths if n >= template]
         if not lengths:
-            raise EvalError(f"--lengths: the model's window {info.max_length} is shorter than the passkey "
+            raise UserError(f"--lengths: the model's window {info.maximum} is shorter than the passkey "
                             f"template ({template} tokens); pass --lengths {2 ** (template - 1).bit_length()} "
                             "(or longer) to test beyond the window")
     estimate = longctx.check_memory(info.model, lengths, args.chunk, args.force)
     build_prompt(info.tokenizer, longctx.bos_id(info.tokenizer), min(lengths), 0.5, 99_999)  # template fits?
-    print(f"model {info.path}: schedule {info.schedule}; original window {info.original_length}, "
-          f"max {info.max_length}; memory estimate {estimate.describe()}", file=sys.stderr)
+    print(f"model {info.path}: schedule {info.schedule}; original window {info.original}, "
+          f"max {info.maximum}; memory estimate {estimate.describe()}", file=sys.stderr)
     trials, generator = run_passkey(info.model, info.tokenizer, lengths, args.trials, args.depths, args.seed,
                                     args.chunk, not args.no_progress)
     accuracy = accuracy_by_length(trials)
@@ -241,8 +249,8 @@ def main(argv=None) -> int:
           f"correct = first integer equals the key ({generator.computed}/{total} prompt tokens computed, "
           "the rest reused from the KV cache)")
     print(format_table(accuracy))
-    if args.output:
-        out = Path(args.output)
+    out = longctx.default_output("passkey", info, args.output)
+    if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         grid, labels, grid_lengths = depth_grid(trials)
         record = {"model": info.path, "schedule": info.schedule, "seed": args.seed, "lengths": lengths,
@@ -252,11 +260,11 @@ def main(argv=None) -> int:
         out.write_text(json.dumps(record, indent=2) + "\n")
         from .plots import heatmap, line_vs_length
 
-        name = Path(info.path).name
+        name = info.name
         acc_png = line_vs_length(out.with_name(out.stem + "_accuracy.png"), lengths,
                                  {name: [a["accuracy"] for a in accuracy]}, "accuracy",
                                  "Passkey retrieval accuracy", ylim=(-0.05, 1.05),
-                                 mark=info.original_length)
+                                 mark=info.original)
         heat_png = heatmap(out.with_name(out.stem + "_heatmap.png"), grid, labels, [str(n) for n in grid_lengths],
                            "context length (tokens)", "needle depth", "Passkey accuracy by depth and length")
         print(f"wrote {out}, {acc_png} and {heat_png}", file=sys.stderr)

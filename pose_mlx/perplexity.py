@@ -1,6 +1,6 @@
 """Sliding-window perplexity at several context lengths: `python -m pose_mlx.perplexity`.
 
-Windows (as in DESIGN.md, following the Position Interpolation / PoSE evaluations): a window of length W is
+Windows (following the Position Interpolation and PoSE evaluations): a window of length W is
 BOS followed by W-1 document tokens; windows start every `stride` tokens (at most W-1, so no token is
 skipped); a window scores only the tokens that no earlier window scored, so every document token is scored
 exactly once, with at most W-1 tokens of context. The last window is moved back to end at the document's end
@@ -21,8 +21,8 @@ from typing import Iterable
 import numpy as np
 
 from . import longctx
-from .data import read_documents  # a text file, a .jsonl file, a folder of them, or a hub dataset repo
-from .longctx import EvalError
+from .training.data import chat_renderer, read_documents  # a text file, a .jsonl file, a folder of them, or a hub dataset
+from .errors import UserError, command
 
 METRIC = "token-weighted perplexity: exp(total NLL / scored tokens), sliding windows of BOS + (W-1) tokens"
 
@@ -106,7 +106,7 @@ def perplexity(model, documents: list[list[int]], lengths: list[int], stride: in
 def load_documents(source, tokenizer, min_tokens: int, max_docs: int, truncate: int | None) -> list[list[int]]:
     """The first `max_docs` documents with >= `min_tokens` tokens, each cut to `truncate` tokens if given."""
     kept, longest = [], 0
-    for text in read_documents(source):
+    for text in read_documents(source, render=chat_renderer(tokenizer)):
         ids = longctx.encode(tokenizer, text)
         longest = max(longest, len(ids))
         if len(ids) >= min_tokens:
@@ -114,7 +114,7 @@ def load_documents(source, tokenizer, min_tokens: int, max_docs: int, truncate: 
             if len(kept) >= max_docs:
                 break
     if not kept:
-        raise EvalError(f"--data: no document has at least {min_tokens} tokens (the longest has {longest}); "
+        raise UserError(f"--data: no document has at least {min_tokens} tokens (the longest has {longest}); "
                         "lower --min-doc-tokens or the --lengths")
     return kept
 
@@ -132,11 +132,11 @@ def format_table(name: str, results: list[LengthResult]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m pose_mlx.perplexity", description=__doc__.split("\n")[0])
-    longctx.add_model_arguments(parser)
+    parser = longctx.eval_parser("python -m pose_mlx.perplexity", __doc__.split("\n")[0])
     parser.add_argument("--data", required=True, help="a text file, a .jsonl file (field 'text'), or a folder of .txt/.md/.py/.jsonl files")
-    parser.add_argument("--lengths", default=None, help="window lengths, e.g. 2k,4k,8192 (default: doubling "
-                                                        "from half the original window to the model's maximum)")
+    parser.add_argument("--lengths", default=None, help="window lengths, e.g. 2k,4k,8192 or 1x,2x,4x of the original "
+                                                        "window (default: doubling from half the original window to "
+                                                        "the model's maximum)")
     parser.add_argument("--stride", type=int, default=1024, help="tokens between window starts, capped at W-1 (default 1024)")
     parser.add_argument("--docs", type=int, default=50, help="number of documents to evaluate (default 50)")
     parser.add_argument("--min-doc-tokens", type=int, default=None,
@@ -144,31 +144,36 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-truncate", action="store_true",
                         help="score whole documents (default: first longest-length - 1 tokens, so every length "
                              "scores the same tokens)")
-    parser.add_argument("--output", default=None, help="write JSON results here (and a PNG next to it)")
+    parser.add_argument("--output", default=None, help="write JSON results here (and a PNG next to it; default "
+                                                       "perplexity-<model name>.json)")
     return parser
 
 
-@longctx.cli_main("pose_mlx.perplexity")
+@command("pose_mlx.perplexity")
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if args.stride < 1 or args.docs < 1 or args.chunk < 1:
-        raise EvalError("--stride, --docs and --chunk must be >= 1")
-    lengths = longctx.parse_lengths(args.lengths) if args.lengths else None
-    info = longctx.load_eval_model(args.model, args.scaling, args.target, args.original)
-    lengths = lengths or longctx.resolve_lengths(None, info)
+    longctx.check_chunk(args.chunk)
+    if args.stride < 1 or args.docs < 1:
+        raise UserError("--stride and --docs must be >= 1")
+    if args.min_doc_tokens is not None and args.min_doc_tokens < 1:
+        raise UserError(f"--min-doc-tokens must be >= 1, got {args.min_doc_tokens}")
+    if args.lengths:
+        longctx.parse_lengths(args.lengths, 1)  # the grammar, before loading ('x' lengths need the model)
+    info = longctx.load_eval_model(args.model, args.schedule, args.target, args.original)
+    lengths = longctx.resolve_lengths(args.lengths, info)
     estimate = longctx.check_memory(info.model, lengths, args.chunk, args.force)
     min_tokens = args.min_doc_tokens if args.min_doc_tokens is not None else max(lengths) - 1
     truncate = None if args.no_truncate else max(lengths) - 1
     docs = load_documents(args.data, info.tokenizer, min_tokens, args.docs, truncate)
     bos = longctx.bos_id(info.tokenizer)
-    print(f"model {info.path}: schedule {info.schedule}; original window {info.original_length}, "
-          f"max {info.max_length}; memory estimate {estimate.describe()}", file=sys.stderr)
+    print(f"model {info.path}: schedule {info.schedule}; original window {info.original}, "
+          f"max {info.maximum}; memory estimate {estimate.describe()}", file=sys.stderr)
     results = perplexity(info.model, docs, lengths, args.stride, bos, args.chunk, not args.no_progress)
-    name = Path(info.path).name
+    name = info.name
     print(f"{METRIC}; stride {args.stride}; {len(docs)} documents")
     print(format_table(name, results))
-    if args.output:
-        out = Path(args.output)
+    out = longctx.default_output("perplexity", info, args.output)
+    if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         record = {"model": info.path, "schedule": info.schedule, "metric": METRIC, "stride": args.stride,
                   "documents": len(docs), "truncate": truncate, "results": [asdict(r) for r in results]}
@@ -177,7 +182,7 @@ def main(argv=None) -> int:
 
         png = line_vs_length(out.with_suffix(".png"), lengths, {name: [r.ppl for r in results]},
                              "perplexity (log scale)", "Sliding-window perplexity (token-weighted)", log_y=True,
-                             mark=info.original_length)
+                             mark=info.original)
         print(f"wrote {out} and {png}", file=sys.stderr)
     return 0
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-METHODS = ("pose", "pose-ref", "randpos", "full", "contiguous")
+SAMPLERS = ("pose", "pose-ref", "randpos", "full", "contiguous")
 CONTENT = ("uniform", "zero", "aligned")
 
 RngLike = np.random.Generator | np.random.SeedSequence | int | None
@@ -105,7 +105,7 @@ def randpos_position_ids(window: int, target: int, rng: RngLike = None) -> np.nd
 class Example:
     """One training example: ``position_ids[k]`` is the position of the k-th token, and the tokens are the
     document slices ``spans`` = [(start, length), ...] concatenated in order (lengths sum to len(position_ids)).
-    For PoSE methods span i is chunk i, so chunk boundaries are at the cumulative span lengths."""
+    For the PoSE samplers span i is chunk i, so chunk boundaries are at the cumulative span lengths."""
 
     position_ids: np.ndarray
     spans: list[tuple[int, int]]
@@ -141,9 +141,9 @@ def _content_offsets(content: str, biases: np.ndarray, slack: int, rng: np.rando
 def _pose_ref_layout(window: int, target: int, chunks: int, rng: np.random.Generator):
     """The authors' released code: N = 2, l_0 ~ U{1 .. ceil(Lc/2)}, u_0 = 0, u_1 ~ U{0 .. Lt - Lc}."""
     if chunks != 2:
-        raise ValueError(f"chunks must be 2 for method='pose-ref', got {chunks}")
+        raise ValueError(f"chunks must be 2 for sampler='pose-ref', got {chunks}")
     if window < 2:
-        raise ValueError(f"window must be >= 2 for method='pose-ref', got {window}")
+        raise ValueError(f"window must be >= 2 for sampler='pose-ref', got {window}")
     first = int(rng.integers(1, (window + 1) // 2, endpoint=True))
     lengths = np.array([first, window - first], dtype=np.int64)
     biases = np.array([0, rng.integers(0, target - window, endpoint=True)], dtype=np.int64)
@@ -154,40 +154,40 @@ def sample_example(
     doc_length: int,
     window: int,
     target: int,
-    method: str = "pose",
+    sampler: str = "pose",
     chunks: int = 2,
     content: str = "uniform",
     rng: RngLike = None,
 ) -> Example:
     """Sample position ids and the document spans that fill them, for a document of ``doc_length`` tokens.
 
-    method: ``pose`` (paper, any ``chunks``), ``pose-ref`` (authors' code, 2 chunks), ``randpos``, ``full``
+    sampler: ``pose`` (paper, any ``chunks``), ``pose-ref`` (authors' code, 2 chunks), ``randpos``, ``full``
     (positions 0 .. target - 1 over the first ``target`` tokens; ``window`` is only checked) or ``contiguous``
     (0 .. window - 1 over the first ``window`` tokens). ``chunks`` is used by ``pose``/``pose-ref`` only.
-    content (PoSE methods): ``uniform``, ``zero`` or ``aligned`` offsets v_i (see ``_content_offsets``);
-    ``aligned`` needs doc_length >= target. One-span methods take the document prefix (v_0 = 0), so content
+    content (PoSE samplers): ``uniform``, ``zero`` or ``aligned`` offsets v_i (see ``_content_offsets``);
+    ``aligned`` needs doc_length >= target. One-span samplers take the document prefix (v_0 = 0), so content
     has no effect there, except that ``aligned`` is rejected for ``randpos`` (its positions are not contiguous).
     Needs doc_length >= window (>= target for ``full`` and for ``aligned``).
     """
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
     if content not in CONTENT:
         raise ValueError(f"content must be one of {CONTENT}, got {content!r}")
     window, target = _window_target(window, target)
     doc_length = _integer("doc_length", doc_length, 1)
-    if method == "full" and doc_length < target:
-        raise ValueError(f"doc_length ({doc_length}) must be >= target ({target}) for method='full'")
-    if content == "aligned" and method in ("pose", "pose-ref") and doc_length < target:
+    if sampler == "full" and doc_length < target:
+        raise ValueError(f"doc_length ({doc_length}) must be >= target ({target}) for sampler='full'")
+    if content == "aligned" and sampler in ("pose", "pose-ref") and doc_length < target:
         raise ValueError(f"doc_length ({doc_length}) must be >= target ({target}) for content='aligned' "
                          "(chunk i's tokens are read at the document indices of its positions)")
     if doc_length < window:
         raise ValueError(f"doc_length ({doc_length}) must be >= window ({window})")
-    if method == "randpos" and content == "aligned":
-        raise ValueError("content='aligned' is undefined for method='randpos' (positions are not contiguous)")
+    if sampler == "randpos" and content == "aligned":
+        raise ValueError("content='aligned' is undefined for sampler='randpos' (positions are not contiguous)")
     rng = _generator(rng)
 
-    if method in ("pose", "pose-ref"):
-        if method == "pose":
+    if sampler in ("pose", "pose-ref"):
+        if sampler == "pose":
             lengths, biases = _pose_layout(window, target, chunks, rng)
         else:
             lengths, biases = _pose_ref_layout(window, target, _integer("chunks", chunks, 1), rng)
@@ -196,7 +196,7 @@ def sample_example(
         firsts = np.cumsum(lengths) - lengths
         spans = [(int(v + st), int(n)) for v, st, n in zip(offsets, firsts, lengths)]
         return Example(position_ids, spans, doc_length)
-    if method == "randpos":
+    if sampler == "randpos":
         return Example(randpos_position_ids(window, target, rng), [(0, window)], doc_length)
-    length = target if method == "full" else window
+    length = target if sampler == "full" else window
     return Example(np.arange(length, dtype=np.int64), [(0, length)], doc_length)

@@ -1,12 +1,12 @@
 """Frequency schedules for context-window extension of RoPE (NumPy only; never imports mlx).
 
 RoPE rotates the dimension pair i of a query/key at position m by the angle m * theta_i with
-theta_i = base ** (-2i / d), i = 0 .. d/2 - 1 (d = number of rotary dims). A schedule maps the
-pre-training frequencies theta to new inverse frequencies for an extension by s = factor =
-target_length / original_length, plus an attention factor that multiplies BOTH q and k
-(so attention logits are scaled by its square).
+theta_i = base ** (-2i / d), i = 0 .. d/2 - 1 (d = number of rotary dims; `rope_inv_freq`, the one place this
+formula is written). A schedule maps the pre-training frequencies theta to new inverse frequencies for an
+extension by s = factor = target / original (the two context lengths), plus an attention factor that
+multiplies BOTH q and k (so attention logits are scaled by its square).
 
-`scaled_inv_freq(method, ...)` dispatches to the function registered under `method` in `SCHEDULES`;
+`scaled_inv_freq(schedule, ...)` dispatches to the function registered under `schedule` in `SCHEDULES`;
 each function's keyword-only arguments are that schedule's parameters.
 """
 
@@ -18,14 +18,20 @@ from typing import Callable
 
 import numpy as np
 
-__all__ = ["SCHEDULES", "dynamic_ntk_base", "list_schedules", "rope_inv_freq", "scaled_inv_freq"]
+from .angles import dprope_factors
+
+__all__ = ["SCHEDULES", "dynamic_ntk_base", "rope_inv_freq", "scaled_inv_freq", "schedule_parameters"]
 
 Schedule = Callable[..., "tuple[np.ndarray, float]"]
 
 
 def rope_inv_freq(head_dim: int, base: float) -> np.ndarray:
     """Unscaled RoPE inverse frequencies theta_i = base ** (-2i/d), float64, shape (d/2,)."""
-    return float(base) ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if isinstance(head_dim, bool) or int(head_dim) != head_dim or head_dim < 2 or head_dim % 2:
+        raise ValueError(f"head_dim must be an even integer >= 2, got {head_dim!r}")
+    if not (math.isfinite(base) and base > 1):
+        raise ValueError(f"base must be a finite number > 1, got {base!r}")
+    return float(base) ** (-np.arange(0, int(head_dim), 2, dtype=np.float64) / int(head_dim))
 
 
 def _ntk_exponent(head_dim: int) -> float:
@@ -34,14 +40,14 @@ def _ntk_exponent(head_dim: int) -> float:
     return head_dim / (head_dim - 2)
 
 
-def dynamic_ntk_base(base: float, head_dim: int, factor: float, original_length: int, seq_len: int) -> float:
+def dynamic_ntk_base(base: float, head_dim: int, factor: float, original: int, seq_len: int) -> float:
     """Base used by dynamic NTK for a sequence of `seq_len` tokens (Hugging Face's dynamic NTK rule).
 
-    base' = base * (s * seq_len / L - (s - 1)) ** (d / (d - 2)) when seq_len > L, else base.
+    base' = base * (s * seq_len / L - (s - 1)) ** (d / (d - 2)) when seq_len > L = `original`, else base.
     """
-    if seq_len <= original_length:
+    if seq_len <= original:
         return float(base)
-    ratio = factor * seq_len / original_length - (factor - 1.0)
+    ratio = factor * seq_len / original - (factor - 1.0)
     return float(base) * ratio ** _ntk_exponent(head_dim)
 
 
@@ -51,7 +57,8 @@ def _none(head_dim, base, factor, original_length):
 
 
 def _linear(head_dim, base, factor, original_length):
-    """Position Interpolation (paper 003, attention score a~(m) = a(m L / L'); PoSE paper sec. 2):
+    """Position Interpolation (Chen et al., "Extending Context Window of Large Language Models via Positional
+    Interpolation", arXiv 2306.15595: attention score a~(m) = a(m L / L'); PoSE paper sec. 2):
     position m -> m / s, i.e. theta_i' = theta_i / s."""
     return rope_inv_freq(head_dim, base) / factor, 1.0
 
@@ -111,9 +118,10 @@ def _yarn(head_dim, base, factor, original_length, *, beta_fast: float = 32.0, b
 
 
 def _abf(head_dim, base, factor, original_length, *, beta: float | None = None):
-    """Adjusted base frequency (paper 001, f^{RoPE+ABF}: theta_j = (beta b)^(-2j/d)): base' = base * beta.
+    """Adjusted base frequency (Xiong et al., "Effective Long-Context Scaling of Foundation Models",
+    arXiv 2309.16039: f^{RoPE+ABF}, theta_j = (beta b)^(-2j/d)): base' = base * beta.
 
-    beta defaults to 50 (the value paper 001 trains with) for an extension (s > 1); with s == 1 and no
+    beta defaults to 50 (the value that paper trains with) for an extension (s > 1); with s == 1 and no
     explicit beta the base is left unchanged (no extension requested)."""
     if beta is None:
         beta = 50.0 if factor > 1 else 1.0
@@ -155,15 +163,12 @@ def _longrope(head_dim, base, factor, original_length, *, long_factor=None, atte
 
 
 def _dprope(head_dim, base, factor, original_length, *, bins: int = 360):
-    """DPRoPE (paper 002, sec. 3): per dimension, interpolate (theta_i / s) or extrapolate (theta_i), whichever
-    gives the rotary-angle distribution with the smaller KL divergence from the pre-training one
-    (`pose_mlx.analysis.dprope_factors`, `bins` histogram bins, target length round(s * L))."""
-    from .analysis import dprope_factors
-
-    target_length = int(round(factor * original_length))
-    factors = np.asarray(dprope_factors(head_dim, base, original_length, target_length=target_length, bins=bins),
-                         dtype=np.float64)
-    return rope_inv_freq(head_dim, base) / factors, 1.0
+    """DPRoPE (Wu et al., "Extending Context Window of Large Language Models from a Distributional Perspective",
+    arXiv 2410.01490): per dimension, interpolate (theta_i / s) or extrapolate (theta_i), whichever angle
+    distribution over round(s * L) positions diverges less from the pre-trained one, KL(P_pre || P_candidate)
+    over `bins` bins (`pose_mlx.angles.dprope_factors`; ties extrapolate)."""
+    theta = rope_inv_freq(head_dim, base)
+    return theta / dprope_factors(theta, original_length, int(round(factor * original_length)), bins), 1.0
 
 
 SCHEDULES: dict[str, Schedule] = {
@@ -179,9 +184,10 @@ SCHEDULES: dict[str, Schedule] = {
 }
 
 
-def list_schedules() -> list[str]:
-    """Registered schedule names, in registry order."""
-    return list(SCHEDULES)
+def schedule_parameters(schedule: str) -> dict:
+    """{name: default} of a registered schedule's keyword parameters (what `--schedule-param` accepts)."""
+    fn = SCHEDULES[schedule]
+    return {p.name: p.default for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY}
 
 
 def _check_args(head_dim, base, factor, original_length) -> None:
@@ -195,20 +201,21 @@ def _check_args(head_dim, base, factor, original_length) -> None:
         raise ValueError(f"original_length must be an integer >= 2, got {original_length!r}")
 
 
-def scaled_inv_freq(method: str, head_dim: int, base: float, factor: float, original_length: int,
+def scaled_inv_freq(schedule: str, head_dim: int, base: float, factor: float, original_length: int,
                     **params) -> tuple[np.ndarray, float]:
     """Inverse frequencies (float64, shape (head_dim // 2,)) and attention factor (multiplies q and k) of a schedule.
 
     head_dim: number of rotary dims d; base: RoPE base b; factor: s = target / original length (>= 1);
     original_length: pre-training context L; params: the schedule's keyword parameters (see SCHEDULES).
     """
-    if method not in SCHEDULES:
-        raise ValueError(f"method must be one of {', '.join(SCHEDULES)}; got {method!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
     _check_args(head_dim, base, factor, original_length)
-    fn = SCHEDULES[method]
-    allowed = [p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    fn = SCHEDULES[schedule]
+    allowed = schedule_parameters(schedule)
     for name in params:
         if name not in allowed:
-            raise ValueError(f"unknown parameter {name!r} for schedule {method!r} (allowed: {allowed or 'none'})")
+            raise ValueError(f"unknown parameter {name!r} for schedule {schedule!r} (allowed: "
+                             f"{', '.join(allowed) or 'none'})")
     inv_freq, attention_factor = fn(int(head_dim), float(base), float(factor), int(original_length), **params)
     return np.asarray(inv_freq, dtype=np.float64), float(attention_factor)

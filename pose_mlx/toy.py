@@ -23,7 +23,7 @@ import sysconfig
 from pathlib import Path
 from typing import Iterable
 
-import mlx.core as mx  # the package __init__ has already loaded the fast BLAS
+import mlx.core as mx
 from mlx.utils import tree_flatten
 
 #: Tokenizer files copied between folders (the first two are required).
@@ -232,19 +232,6 @@ def model_config(vocab_size: int, model_type: str = "llama", hidden_size: int = 
     return config
 
 
-def build_model(config: dict, seed: int = 0):
-    """mlx-lm's own model class for ``config["model_type"]``, randomly initialised after `mx.random.seed(seed)`."""
-    from mlx_lm.utils import _get_classes
-
-    if "model_type" not in config:
-        raise ValueError("config must have a 'model_type'")
-    model_cls, args_cls = _get_classes(config)
-    mx.random.seed(seed)
-    model = model_cls(args_cls.from_dict(config))
-    mx.eval(model.parameters())
-    return model
-
-
 def save_model_folder(model, config: dict, tokenizer_folder, folder) -> Path:
     """Write `model`'s parameters (model.safetensors), `config` (config.json) and the tokenizer files of
     `tokenizer_folder` into `folder`, a layout `mlx_lm.load` reads. Returns the folder."""
@@ -269,7 +256,7 @@ def make_model_folder(folder, tokenizer_from=None, texts: Iterable[str] | None =
     Tokenizer: copied from `tokenizer_from`, else trained on `texts` (default: the first
     `DEFAULT_TOKENIZER_CHARS` characters of `stdlib_texts()`) with `vocab_size` pieces. With `tokenizer_from`
     the model's vocabulary is the copied tokenizer's size and `vocab_size` is ignored. BOS/EOS ids in
-    config.json come from the tokenizer. Weights: `build_model(config, seed)`, saved as float32.
+    config.json come from the tokenizer. Weights: `pose_mlx.model.source.build_model(config, seed)`, saved as float32.
     """
     if tokenizer_from is not None and texts is not None:
         raise ValueError("pass tokenizer_from or texts, not both")
@@ -288,8 +275,10 @@ def make_model_folder(folder, tokenizer_from=None, texts: Iterable[str] | None =
         max_position_embeddings=max_position_embeddings, rope_theta=rope_theta, rope_traditional=rope_traditional,
         tie_word_embeddings=tie_word_embeddings, bos_token_id=info["bos_token_id"],
         eos_token_id=info["eos_token_id"], extra_config=extra_config)
+    from .model.source import build_model
+
     return save_model_folder(build_model(config, seed), config, folder, folder)
 
 
-__all__ = ["DEFAULT_TOKENIZER_CHARS", "TOKENIZER_FILES", "build_model", "copy_tokenizer", "make_model_folder",
+__all__ = ["DEFAULT_TOKENIZER_CHARS", "TOKENIZER_FILES", "copy_tokenizer", "make_model_folder",
            "model_config", "save_model_folder", "stdlib_texts", "tokenizer_info", "train_tokenizer"]

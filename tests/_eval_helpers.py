@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pose_mlx  # noqa: F401  (fast BLAS before mlx)
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -73,6 +72,9 @@ class RetrievalOracle:
             [token] = tokenizer.encode(str(d), add_special_tokens=False)
             self.digit[token] = d
         self.digit_token = {d: t for t, d in self.digit.items()}
+
+    def named_modules(self):  # no RoPE layers to look into
+        return []
 
     def _next(self, history: list[int]) -> int:
         run, key = [], None

@@ -1,6 +1,5 @@
 """Shared fixtures for the fine-tuning tests: a tiny random llama folder and a folder of local text."""
 
-import pose_mlx  # noqa: F401  (fast BLAS before mlx)
 
 import json
 from pathlib import Path

@@ -1,10 +1,8 @@
 """Shared fixtures: tiny random mlx-lm models of several families, built offline."""
 
-import pose_mlx  # noqa: F401  (loads the fast BLAS before mlx)
-
-import mlx.core as mx
 import pytest
-from mlx_lm.utils import _get_classes
+
+from pose_mlx.model.source import build_model as _build
 
 VOCAB = 97
 
@@ -37,10 +35,9 @@ FAMILY_CONFIGS = {
 
 def build_model(model_type: str, seed: int = 0, **overrides):
     """A random-weight mlx-lm model of `model_type` from a tiny config (fp32)."""
-    config = {"model_type": model_type, **FAMILY_CONFIGS.get(model_type, {}), **overrides}
-    model_cls, args_cls = _get_classes(config)
-    mx.random.seed(seed)
-    model = model_cls(args_cls.from_dict(config))
+    import mlx.core as mx
+
+    model = _build({"model_type": model_type, **FAMILY_CONFIGS.get(model_type, {}), **overrides}, seed=seed)
     mx.eval(model.parameters())
     return model
 

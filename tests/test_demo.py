@@ -21,7 +21,7 @@ def test_demo_extends_and_evaluates(tmp_path, capsys):
     exported = json.loads((tmp_path / "pose" / "config.json").read_text())
     assert exported["max_position_embeddings"] == 8 * 128
     schedule = json.loads((tmp_path / "pose" / "pose_mlx.json").read_text())["schedule"]
-    assert schedule["method"] == "linear" and schedule["target_length"] == 1024
+    assert schedule["schedule"] == "linear" and schedule["target"] == 1024
     ppl = {}
     for name in ("original", "pi", "pose"):
         results = json.loads((tmp_path / f"ppl-{name}.json").read_text())["results"]

@@ -2,7 +2,6 @@
 give the per-step losses of 1 process with batch 2b over the same examples (<= 1e-4), also across a SIGKILL and
 --resume of the whole group. Runs the real CLI in subprocesses."""
 
-import pose_mlx  # noqa: F401  (fast BLAS before mlx)
 
 import os
 import shutil
@@ -15,7 +14,7 @@ import numpy as np
 import pytest
 
 from _finetune_helpers import read_log, text_dir, tiny_model  # noqa: F401
-from pose_mlx.data import ExampleStream, TokenizedCorpus
+from pose_mlx.training.data import ExampleStream, TokenizedCorpus
 
 STEPS = 12
 LAUNCH = shutil.which("mlx.launch", path=os.path.dirname(sys.executable)) or shutil.which("mlx.launch")
@@ -113,14 +112,13 @@ def test_resume_with_another_world_size_is_refused(tiny_model, text_dir, tmp_pat
     out = tmp_path / "out"
     partial = tmp_path / "out.partial"
     partial.mkdir()
-    from pose_mlx import finetune
+    from pose_mlx.settings import parse_invocation, save_run_file
 
-    args = finetune.parse_args(_args(tiny_model, text_dir, out, tmp_path / "cache", 1)[2:])
-    args.original, args.window = 32, 16  # as `finetune.run` resolves them
-    (partial / "run.json").write_text(__import__("json").dumps({**finetune._run_settings(args), "world_size": 2}))
+    settings = parse_invocation(_args(tiny_model, text_dir, out, tmp_path / "cache", 1)[2:]).settings
+    save_run_file(settings, partial, world_size=2)
     code = subprocess.run([sys.executable, *_args(tiny_model, text_dir, out, tmp_path / "cache", 1, "--resume")],
                           capture_output=True, text=True)
-    assert code.returncode == 1 and "had 2 ranks" in code.stderr and "Traceback" not in code.stderr
+    assert code.returncode == 2 and "had 2 ranks" in code.stderr and "Traceback" not in code.stderr
 
 
 

@@ -1,6 +1,5 @@
 """End-to-end tests of `python -m pose_mlx.finetune` (in-process through `main(argv)`) on a tiny model."""
 
-import pose_mlx  # noqa: F401  (fast BLAS before mlx)
 
 import json
 import math
@@ -8,10 +7,11 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm import generate, load
+from mlx_lm import load, stream_generate
 
 from _finetune_helpers import ORIGINAL, read_log, text_dir, tiny_model, with_config  # noqa: F401
-from pose_mlx.finetune import ALIASES, main
+from pose_mlx.finetune import main
+from pose_mlx.model.source import ALIASES
 
 FAST = ["--window", "16", "--steps", "4", "--lr", "1e-3", "--warmup", "1", "--no-progress"]
 
@@ -35,19 +35,24 @@ def test_end_to_end_8x_lora(tiny_model, text_dir, tmp_path, capsys):
     assert not (tmp_path / "out.partial").exists()
     config = json.loads((out / "config.json").read_text())
     assert config["max_position_embeddings"] == 8 * ORIGINAL
-    assert config["rope_scaling"]["factor"] == 8.0
-    assert config["rope_scaling"]["original_max_position_embeddings"] == ORIGINAL
+    assert config["rope_scaling"] == {"rope_type": "linear", "factor": 8.0}
     record = json.loads((out / "pose_mlx.json").read_text())
-    assert (record["Lc"], record["Lt"], record["method"], record["steps"]) == (16, 256, "pose", 4)
-    assert record["schedule"]["method"] == "linear" and record["data_fingerprint"]
+    assert (record["original"], record["target"], record["window"]) == (ORIGINAL, 8 * ORIGINAL, 16)
+    assert (record["sampler"], record["steps"]) == ("pose", 4)
+    assert record["schedule"]["schedule"] == "linear" and record["data_fingerprint"]
     log = read_log(out / "train_log.jsonl")
     assert [r["step"] for r in log] == [1, 2, 3, 4]
     assert all(math.isfinite(r["loss"]) and r["tokens"] == 15 and r["peak_memory_gb"] > 0 for r in log)
     assert record["final_loss"] == log[-1]["loss"]
     model, tokenizer = load(str(out))
     assert not any("lora" in k for k in dict(model.parameters()))
-    text = generate(model, tokenizer, "def main(", max_tokens=8)
-    assert isinstance(text, str)
+    prompt = tokenizer.encode("def main(")
+    generated = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=8)]
+    greedy, ids = [], list(prompt)
+    for _ in range(len(generated)):  # mlx-lm decodes greedily by default: the same tokens, one full forward each
+        greedy.append(int(np.argmax(_logits(model, ids)[0, -1])))
+        ids.append(greedy[-1])
+    assert generated == greedy and len(generated) >= 1
     # a long prompt (beyond the original window) runs through the KV cache
     ids = tokenizer.encode("x = 1\n" * 60)[: 3 * ORIGINAL]
     assert np.isfinite(_logits(model, ids)).all()
@@ -77,7 +82,7 @@ def test_full_finetune_and_grad_options(tiny_model, text_dir, tmp_path, capsys):
     out = tmp_path / "full"
     code, err = run_cli(capsys, "--model", tiny_model, "--target", "64", "--data", text_dir, "--output", out,
                         "--cache-dir", tmp_path / "c", "--full", "--grad-checkpoint", "--grad-accum", "2",
-                        "--batch-size", "2", "--method", "randpos", *FAST)
+                        "--batch-size", "2", "--sampler", "randpos", *FAST)
     assert code == 0, err
     log = read_log(out / "train_log.jsonl")
     assert all(r["tokens"] == 2 * 2 * 15 for r in log)
@@ -88,19 +93,30 @@ def test_full_finetune_and_grad_options(tiny_model, text_dir, tmp_path, capsys):
 
 
 def test_full_length_baseline(tiny_model, text_dir, tmp_path, capsys):
-    """--method full trains on contiguous target-length sequences (64 tokens -> 63 targets per step)."""
+    """--sampler full trains on contiguous target-length sequences (64 tokens -> 63 targets per step)."""
     out = tmp_path / "fl"
     code, err = run_cli(capsys, "--model", tiny_model, "--target", "64", "--data", text_dir, "--output", out,
-                        "--cache-dir", tmp_path / "c", "--method", "full", *FAST)
+                        "--cache-dir", tmp_path / "c", "--sampler", "full", *FAST)
     assert code == 0, err
     assert [r["tokens"] for r in read_log(out / "train_log.jsonl")] == [63] * 4
-    assert json.loads((out / "pose_mlx.json").read_text())["method"] == "full"
+    assert json.loads((out / "pose_mlx.json").read_text())["sampler"] == "full"
 
 
-def test_method_none_exports_without_data(tiny_model, tmp_path, capsys):
+def test_deprecated_method_flag_still_works(tiny_model, tmp_path, capsys):
+    """--method / --scaling (earlier names of --sampler / --schedule) work, with one warning each."""
+    out = tmp_path / "old"
+    code, err = run_cli(capsys, "--model", tiny_model, "--target", "4x", "--method", "none", "--scaling", "ntk",
+                        "--output", out)
+    assert code == 0, err
+    record = json.loads((out / "pose_mlx.json").read_text())
+    assert record["sampler"] == "none" and record["schedule"]["schedule"] == "ntk"
+    assert "--method is deprecated; use --sampler" in err and "--scaling is deprecated; use --schedule" in err
+
+
+def test_sampler_none_exports_without_data(tiny_model, tmp_path, capsys):
     """PI-only: no --data, no training; mlx_lm.load gives the extended model exactly."""
     out = tmp_path / "pi"
-    code, err = run_cli(capsys, "--model", tiny_model, "--target", "8x", "--method", "none", "--output", out)
+    code, err = run_cli(capsys, "--model", tiny_model, "--target", "8x", "--sampler", "none", "--output", out)
     assert code == 0, err
     record = json.loads((out / "pose_mlx.json").read_text())
     assert record["steps"] == 0 and record["mlx_lm_exact"] is True
@@ -112,18 +128,19 @@ def test_method_none_exports_without_data(tiny_model, tmp_path, capsys):
 
 def test_yaml_config_and_flags_win(tiny_model, text_dir, tmp_path, capsys):
     cfg = tmp_path / "run.yaml"
-    cfg.write_text(f"model: {tiny_model}\ntarget: 4x\ndata: {text_dir}\nsteps: 3\nwindow: 16\nlr: 1.0e-3\n"
+    cfg.write_text(f"model: {tiny_model}\ntarget: 4x\ndata: {text_dir}\nsteps: 3\nwindow: 16\nlr: 1e-3\n"
                    f"warmup: 1\nno-progress: true\ncache_dir: {tmp_path / 'c'}\nlora: true\n"
-                   "scaling: yarn\nscaling_params: {beta_fast: 16}\n")
+                   "schedule: yarn\nschedule_params: {beta_fast: 16}\n")
     out = tmp_path / "y"
     assert run_cli(capsys, "--config", cfg, "--steps", "2", "--output", out)[0] == 0
     assert len(read_log(out / "train_log.jsonl")) == 2
     record = json.loads((out / "pose_mlx.json").read_text())
-    assert record["schedule"]["method"] == "yarn" and record["schedule"]["params"] == {"beta_fast": 16}
+    assert record["schedule"]["schedule"] == "yarn" and record["schedule"]["params"] == {"beta_fast": 16}
+    assert record["lr"] == 1e-3  # YAML's 1e-3 (a string to PyYAML's YAML 1.1 rules) is read as a number
     bad = tmp_path / "bad.yaml"
     bad.write_text("stepz: 3\n")
     code, err = run_cli(capsys, "--config", bad, "--model", tiny_model, "--target", "2x")
-    assert code == 1 and "stepz" in err
+    assert code == 2 and "stepz" in err and "did you mean 'steps'" in err
 
 
 def test_help_lists_aliases(capsys):
@@ -133,7 +150,8 @@ def test_help_lists_aliases(capsys):
     out = capsys.readouterr().out
     for alias, (repo, window) in ALIASES.items():
         assert alias in out and repo in out
-    for flag in ("--target", "--scaling-param", "--grad-checkpoint", "--no-fuse", "--eval-every", "--resume"):
+    for flag in ("--target", "--schedule-param", "--sampler", "--grad-checkpoint", "--no-fuse", "--eval-every",
+                 "--resume"):
         assert flag in out
     assert {"llama-7b", "llama-2-7b", "llama-2-13b", "mistral-7b", "tinyllama", "qwen2.5-0.5b"} <= set(ALIASES)
 
@@ -147,8 +165,8 @@ def test_help_lists_every_schedule_and_its_parameters(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
-    lines = {line.split()[0]: line for line in out.split("--scaling-param keys with defaults:")[1].splitlines()
-             if line.strip()}
+    section = out.split("--schedule-param keys with defaults:")[1].split("deprecated flags")[0]
+    lines = {line.split()[0]: line for line in section.splitlines() if line.strip()}
     assert set(lines) == set(SCHEDULES)
     for name, fn in SCHEDULES.items():
         for q in inspect.signature(fn).parameters.values():

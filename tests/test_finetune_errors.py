@@ -1,6 +1,5 @@
-"""Bad input to the fine-tuning CLI: one `error:` line, exit code 1, no traceback, nothing half-written."""
+"""Bad input to the fine-tuning CLI: one `error:` line, exit code 2, no traceback, nothing half-written."""
 
-import pose_mlx  # noqa: F401  (fast BLAS before mlx)
 
 import json
 
@@ -8,6 +7,7 @@ import pytest
 
 from _finetune_helpers import ORIGINAL, read_log, text_dir, tiny_model, with_config  # noqa: F401
 from pose_mlx import toy
+from pose_mlx.model.source import build_model
 from pose_mlx.finetune import main
 
 FAST = ["--window", "16", "--steps", "3", "--lr", "1e-3", "--warmup", "1", "--no-progress"]
@@ -16,24 +16,25 @@ FAST = ["--window", "16", "--steps", "3", "--lr", "1e-3", "--warmup", "1", "--no
 def fails(capsys, *argv, match: str) -> str:
     code = main([str(a) for a in argv])
     err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert code == 1, err
+    errors = [line for line in err.splitlines() if line.startswith("pose_mlx.finetune: error:")]
+    assert code == 2, err
     assert len(errors) == 1 and "Traceback" not in err, err
     assert match in errors[0], errors[0]
     return errors[0]
 
 
 @pytest.mark.parametrize("target, match", [(str(ORIGINAL), "must be larger"), ("16", "must be larger"),
-                                           ("32q", "is not a length"), ("1x", "must be larger")])
+                                           ("32q", "is not a length"), ("1x", "must be larger"),
+                                           ("1000000000000", "outside"), ("8.5", "whole number")])
 def test_bad_target(tiny_model, tmp_path, capsys, target, match):
-    fails(capsys, "--model", tiny_model, "--target", target, "--method", "none", "--output", tmp_path / "o",
+    fails(capsys, "--model", tiny_model, "--target", target, "--sampler", "none", "--output", tmp_path / "o",
           match=match)
     assert not (tmp_path / "o").exists()
 
 
 def test_unknown_alias_and_missing_folder(tmp_path, capsys):
     fails(capsys, "--model", "llama-99b", "--target", "8x", match="not a known alias")
-    fails(capsys, "--model", tmp_path / "nowhere", "--target", "8x", match="no such folder")
+    fails(capsys, "--model", tmp_path / "nowhere", "--target", "8x", match="no such folder or file")
     (tmp_path / "empty").mkdir()
     fails(capsys, "--model", tmp_path / "empty", "--target", "8x", match="no config.json")
 
@@ -51,9 +52,9 @@ def test_model_without_rope(tiny_model, tmp_path, capsys):
     tok = toy.copy_tokenizer(tiny_model, tmp_path / "tok")
     config = {"model_type": "gpt2", "n_embd": 16, "n_head": 2, "n_layer": 1, "n_positions": 64, "n_ctx": 64,
               "vocab_size": 512, "layer_norm_epsilon": 1e-5}
-    folder = toy.save_model_folder(toy.build_model(config), config, tok, tmp_path / "gpt2")
-    fails(capsys, "--model", folder, "--target", "256", "--original", "64", "--method", "none", "--output", tmp_path / "o",
-          match="no RoPE")
+    folder = toy.save_model_folder(build_model(config, seed=0), config, tok, tmp_path / "gpt2")
+    fails(capsys, "--model", folder, "--target", "256", "--original", "64", "--sampler", "none", "--output",
+          tmp_path / "o", match="no RoPE")
     assert not (tmp_path / "o").exists()
 
 
@@ -61,7 +62,7 @@ def test_original_unknown(tiny_model, tmp_path, capsys):
     folder = with_config(tiny_model, tmp_path / "m", max_position_embeddings=None)
     fails(capsys, "--model", folder, "--target", "8x", match="--original")
     # with the flag it works
-    assert main([f"--model={folder}", "--target=8x", "--original=32", "--method=none",
+    assert main([f"--model={folder}", "--target=8x", "--original=32", "--sampler=none",
                  f"--output={tmp_path / 'o'}"]) == 0
 
 
@@ -71,11 +72,16 @@ def test_existing_output_left_untouched(tiny_model, text_dir, tmp_path, capsys):
     (out / "keep.txt").write_text("mine")
     fails(capsys, "--model", tiny_model, "--target", "4x", "--data", text_dir, "--output", out, *FAST,
           match="exists")
+    # --overwrite never removes a folder pose_mlx did not write
+    fails(capsys, "--model", tiny_model, "--target", "4x", "--sampler", "none", "--output", out, "--overwrite",
+          match="not written by pose_mlx")
     assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
-    # --overwrite replaces it
-    assert main([f"--model={tiny_model}", "--target=4x", "--method=none", f"--output={out}", "--overwrite"]) == 0
-    assert not (out / "keep.txt").exists() and (out / "config.json").is_file()
+    # a folder this project wrote is replaced by --overwrite
+    ours = tmp_path / "ours"
+    assert main([f"--model={tiny_model}", "--target=4x", "--sampler=none", f"--output={ours}"]) == 0
+    assert main([f"--model={tiny_model}", "--target=8x", "--sampler=none", f"--output={ours}", "--overwrite"]) == 0
+    assert json.loads((ours / "pose_mlx.json").read_text())["target"] == 8 * ORIGINAL
 
 
 def test_no_long_enough_document(tiny_model, text_dir, tmp_path, capsys):
@@ -90,21 +96,31 @@ def test_nothing_readable(tiny_model, tmp_path, capsys):
     (data / "a.txt").write_bytes(b"")
     (data / "b.txt").write_bytes(bytes(range(256)) * 10)
     fails(capsys, "--model", tiny_model, "--target", "4x", "--data", data, "--output", tmp_path / "o",
-          "--cache-dir", tmp_path / "c", *FAST, match="")
+          "--cache-dir", tmp_path / "c", *FAST, match="no readable document (0 files read, skipped 1 empty, 1 binary")
     assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
 
 
 def test_non_finite_loss_stops_and_keeps_checkpoint(tiny_model, text_dir, tmp_path, capsys):
-    """lr 1e30 makes the second loss inf/NaN: the error names that step; step 1's checkpoint stays."""
+    """lr 1e30 makes a loss or gradient inf/NaN: the error names that step; the last checkpoint kept holds only
+    finite weights; the log stays valid JSON (non-finite numbers as null)."""
+    import math
+
+    import mlx.core as mx
+    import numpy as np
+
     out = tmp_path / "o"
     line = fails(capsys, "--model", tiny_model, "--target", "4x", "--data", text_dir, "--output", out,
                  "--cache-dir", tmp_path / "c", "--save-every", "1", "--window", "16", "--steps", "5",
                  "--lr", "1e30", "--warmup", "0", "--no-progress", match="not finite")
-    log = read_log(out.with_name("o.partial") / "log.jsonl")
-    bad_step = len(log) + 1
-    assert f"step {bad_step}" in line and f"checkpoint (step {bad_step - 1})" in line
+    lines = (out.with_name("o.partial") / "log.jsonl").read_text().splitlines()
+    log = [json.loads(x) for x in lines]  # strict JSON: no bare NaN
+    bad_step = log[-1]["step"]
+    assert f"step {bad_step}" in line and any(v is None for v in log[-1].values())
+    assert all(math.isfinite(r["loss"]) for r in log[:-1])
     state = json.loads((tmp_path / "o.partial" / "checkpoint" / "state.json").read_text())
-    assert state["step"] == bad_step - 1
+    assert state["step"] < bad_step and f"checkpoint (step {state['step']})" in line
+    weights = mx.load(str(tmp_path / "o.partial" / "checkpoint" / state["files"]["weights"]))
+    assert all(np.isfinite(np.array(w)).all() for w in weights.values())
     assert not out.exists()
 
 
@@ -113,14 +129,15 @@ def test_resume_without_partial_and_partial_without_resume(tiny_model, text_dir,
     fails(capsys, "--model", tiny_model, "--target", "4x", "--data", text_dir, "--output", out, "--resume",
           *FAST, match="no unfinished run")
     (tmp_path / "o.partial").mkdir()
+    (tmp_path / "o.partial" / "run.json").write_text("{}")
     fails(capsys, "--model", tiny_model, "--target", "4x", "--data", text_dir, "--output", out,
           *FAST, match="--resume")
 
 
 def test_warnings_double_scaling_and_factor(tiny_model, tmp_path, capsys):
     folder = with_config(tiny_model, tmp_path / "m", rope_scaling={"rope_type": "linear", "factor": 2.0})
-    code = main([f"--model={folder}", "--target=8x", "--original=32", "--method=none",
-                 f"--output={tmp_path / 'o'}", "--scaling-param", "factor=4"])
+    code = main([f"--model={folder}", "--target=8x", "--original=32", "--sampler=none",
+                 f"--output={tmp_path / 'o'}", "--schedule-param", "factor=4"])
     err = capsys.readouterr().err
     assert code == 0, err
     warnings = [line for line in err.splitlines() if line.startswith("warning:")]
@@ -133,15 +150,16 @@ def test_resume_with_changed_settings_is_refused(tiny_model, text_dir, tmp_path,
     args = ["--model", tiny_model, "--target", "4x", "--data", text_dir, "--output", out, "--cache-dir",
             tmp_path / "c", "--save-every", "1", "--window", "16", "--steps", "2", "--lr", "1e30", "--warmup", "0",
             "--no-progress"]
-    assert main([str(a) for a in args]) == 1  # stops at a non-finite loss, leaving a resumable run
+    assert main([str(a) for a in args]) == 2  # stops at a non-finite loss, leaving a resumable run
     capsys.readouterr()
     args[args.index("--lr") + 1] = "1e-3"
-    fails(capsys, *args, "--resume", match="--lr")
+    fails(capsys, *args, "--resume", match="--lr was 1e+30, now 0.001")
 
 
 @pytest.mark.parametrize("flags, match", [
-    (["--steps", "abc"], "--steps"),  # argparse type error: one line too, exit 1 (not usage + exit 2)
-    (["--method", "bogus"], "--method"),
+    (["--steps", "abc"], "--steps"),  # argparse type error: one line too (not the usage block)
+    (["--sampler", "bogus"], "--sampler"),
+    (["--method", "bogus"], "--sampler"),
     (["--window", "0"], "--window"),  # 0 must not silently mean "the default"
     (["--min-length", "0"], "--min-length"),
     (["--max-grad-norm", "0"], "--max-grad-norm"),  # clipping to 0 would zero every update
@@ -151,7 +169,15 @@ def test_resume_with_changed_settings_is_refused(tiny_model, text_dir, tmp_path,
     (["--eval-every", "2", "--heldout", "1.5"], "--heldout"),
     (["--lora-layers", "0"], "--lora-layers"),
     (["--lora-layers", "99"], "--lora-layers"),  # the tiny model has 2 blocks
-    (["--scaling", "foo"], "--scaling"),
+    (["--schedule", "foo"], "--schedule"),
+    (["--schedule", "yarn", "--schedule-param", "beta_fast=0.5"], "beta_fast"),
+    (["--seed", "-1"], "--seed"),
+    (["--lora-rank", "1e8"], "--lora-rank"),
+    (["--lora-rank", "100000000"], "--lora-rank"),
+    (["--lora-layers", "-5"], "--lora-layers"),
+    (["--min-length", "-5"], "--min-length"),
+    (["--lr", "inf"], "--lr"),
+    (["--lr", "nan"], "--lr"),
 ])
 def test_out_of_range_flags(tiny_model, text_dir, tmp_path, capsys, flags, match):
     fails(capsys, "--model", tiny_model, "--target", "4x", "--data", text_dir, "--output", tmp_path / "o",

@@ -1,7 +1,6 @@
 """Kill/resume: a run killed with SIGKILL (or stopped by SIGTERM or Ctrl-C) and resumed reproduces the per-step losses
 of an uninterrupted run (<= 1e-5). Runs the real CLI in subprocesses."""
 
-import pose_mlx  # noqa: F401  (fast BLAS before mlx)
 
 import json
 import os

@@ -1,7 +1,8 @@
-"""Unit tests of the fine-tuning pieces: target parsing, LR schedule, masked loss, checkpoints."""
+"""Unit tests of the fine-tuning pieces: the length grammar, schedule parameters, LR schedule, masked loss,
+checkpoints."""
 
-import pose_mlx  # noqa: F401  (fast BLAS before mlx)
 
+import json
 import math
 
 import mlx.core as mx
@@ -10,9 +11,11 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map
 
-from pose_mlx.checkpoint import load_checkpoint, read_state, save_checkpoint
-from pose_mlx.finetune import UsageError, parse_param, parse_target
-from pose_mlx.train import TrainConfig, learning_rate_schedule, make_optimizer, masked_loss
+from pose_mlx.training.checkpoint import load_checkpoint, read_state, save_checkpoint
+from pose_mlx.errors import UserError
+from pose_mlx.lengths import parse_length as parse_target, parse_lengths
+from pose_mlx.settings import parse_param
+from pose_mlx.training.loop import TrainConfig, learning_rate_schedule, make_optimizer, masked_loss
 
 
 @pytest.mark.parametrize("text, original, expected", [
@@ -23,15 +26,22 @@ def test_parse_target(text, original, expected):
     assert parse_target(text, original) == expected
 
 
-@pytest.mark.parametrize("text", ["32q", "", "k", "-4k", "1.3k", "8x8", "0"])
+@pytest.mark.parametrize("text", ["32q", "", "k", "-4k", "1.3k", "8x8", "0", "1", "1e12", "99999999999"])
 def test_parse_target_rejects(text):
-    with pytest.raises(UsageError, match="--target"):
+    with pytest.raises(UserError, match="--target"):
         parse_target(text, 4096)
 
 
 def test_parse_target_relative_needs_original():
-    with pytest.raises(UsageError, match="--original"):
+    with pytest.raises(UserError, match="--original"):
         parse_target("8x", None)
+
+
+def test_parse_lengths_shares_the_grammar():
+    assert parse_lengths("2k, 1x,8192,2048", original=1000) == [1000, 2048, 8192]
+    for bad in ("", "2k,,4k", "2k,x"):
+        with pytest.raises(UserError, match="--lengths"):
+            parse_lengths(bad, 1000)
 
 
 def test_parse_param():
@@ -42,7 +52,7 @@ def test_parse_param():
     assert parse_param("truncate=False") == ("truncate", False)
     assert parse_param("truncate=true") == ("truncate", True)
     assert parse_param("attention_factor=None") == ("attention_factor", None)
-    with pytest.raises(UsageError):
+    with pytest.raises(UserError):
         parse_param("novalue")
 
 
@@ -85,7 +95,8 @@ def test_checkpoint_roundtrip_restores_weights_and_optimizer(tmp_path):
     """Save after two updates, perturb everything, load: weights, Adam moments, step return."""
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
-    from pose_mlx.toy import build_model, model_config
+    from pose_mlx.model.source import build_model
+    from pose_mlx.toy import model_config
 
     model = build_model(model_config(64, hidden_size=16, num_layers=2, num_heads=2), seed=0)
     model.freeze()
@@ -116,19 +127,56 @@ def test_checkpoint_roundtrip_restores_weights_and_optimizer(tmp_path):
     assert int(fresh.state["step"].item()) == 3
 
 
-def test_checkpoint_is_replaced_whole(tmp_path):
-    """A second save leaves exactly one weights/optimizer pair, the one state.json names."""
-    from pose_mlx.toy import build_model, model_config
+def _small(tmp_path):
+    from pose_mlx.model.source import build_model
+    from pose_mlx.toy import model_config
 
     model = build_model(model_config(64, hidden_size=16, num_layers=1, num_heads=2), seed=0)
     opt = make_optimizer(TrainConfig(steps=10, lr=1e-2, warmup=0))
     opt.init(model.trainable_parameters())
+    return model, opt
+
+
+def test_checkpoint_keeps_the_previous_one_and_nothing_older(tmp_path):
+    """Three saves leave the newest pair (named by state.json) and the one before it (named by previous.json)."""
+    model, opt = _small(tmp_path)
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, model, opt, {})
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["optimizer-2.safetensors", "optimizer-3.safetensors", "previous.json", "state.json",
+                     "weights-2.safetensors", "weights-3.safetensors"]
+    assert read_state(tmp_path)["step"] == 3
+    assert json.loads((tmp_path / "previous.json").read_text())["step"] == 2
+    assert read_state(tmp_path / "missing") is None
+
+
+def test_flipped_byte_in_a_checkpoint_is_named_and_the_previous_one_offered(tmp_path):
+    """One flipped byte in the newest weights file: resume refuses, naming the file and the intact step before."""
+    model, opt = _small(tmp_path)
     save_checkpoint(tmp_path, 1, model, opt, {})
     save_checkpoint(tmp_path, 2, model, opt, {})
-    files = sorted(p.name for p in tmp_path.iterdir())
-    assert files == ["optimizer-2.safetensors", "state.json", "weights-2.safetensors"]
-    assert read_state(tmp_path)["step"] == 2
-    assert read_state(tmp_path / "missing") is None
+    weights = tmp_path / "weights-2.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(UserError, match="weights-2.safetensors .step 2. is damaged") as info:
+        load_checkpoint(tmp_path, model, opt)
+    assert "previous checkpoint (step 1) is intact" in str(info.value)
+    (tmp_path / "previous.json").replace(tmp_path / "state.json")  # the fallback the message describes
+    assert load_checkpoint(tmp_path, model, opt)["step"] == 1
+
+
+def test_non_finite_weights_are_never_checkpointed(tmp_path):
+    from pose_mlx.training.checkpoint import NonFiniteWeights
+
+    model, opt = _small(tmp_path)
+    save_checkpoint(tmp_path, 1, model, opt, {})
+    key = next(k for k, _ in tree_flatten(model.trainable_parameters()))
+    model.load_weights([(key, mx.full(dict(tree_flatten(model.parameters()))[key].shape, float("nan")))],
+                       strict=False)
+    with pytest.raises(NonFiniteWeights):
+        save_checkpoint(tmp_path, 2, model, opt, {})
+    assert read_state(tmp_path)["step"] == 1 and not (tmp_path / "weights-2.safetensors").exists()
 
 
 @pytest.mark.parametrize("grad_accum, checkpoint, lora", [(1, False, False), (2, True, False), (1, False, True)])
@@ -138,16 +186,18 @@ def test_compiled_update_equals_eager(grad_accum, checkpoint, lora):
     constant; with gradient checkpointing they must still be set when the backward pass re-runs the forward)."""
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
-    from pose_mlx import extend
-    from pose_mlx.data import ExampleStream, TokenizedCorpus
-    from pose_mlx.toy import build_model, model_config
-    from pose_mlx.train import _enable_grad_checkpoint, make_update
+    from pose_mlx import extend, use_positions
+    from pose_mlx.training.data import ExampleStream, TokenizedCorpus
+    from pose_mlx.model.source import build_model
+    from pose_mlx.toy import model_config
+    from pose_mlx.training.loop import _enable_grad_checkpoint, make_update
 
     tokens = np.random.default_rng(0).integers(3, 64, size=4 * 200).astype(np.int32)
     corpus = TokenizedCorpus(tokens, np.arange(5, dtype=np.int64) * 200, np.arange(4), "t", {})
     runs = {}
     for compiled, ckpt in ((False, False), (True, checkpoint), (False, checkpoint)):
-        model = build_model(model_config(64, hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=16))
+        model = build_model(model_config(64, hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=16),
+                            seed=0)
         extend(model, "linear", 16, 128)
         if lora:
             mx.random.seed(0)
@@ -155,7 +205,7 @@ def test_compiled_update_equals_eager(grad_accum, checkpoint, lora):
             linear_to_lora_layers(model, 2, {"rank": 4, "scale": 10.0, "dropout": 0.0})
         restore = _enable_grad_checkpoint(model) if ckpt else None
         config = TrainConfig(steps=6, lr=3e-3, warmup=1, grad_accum=grad_accum, compile=compiled, progress=False)
-        update = make_update(model, make_optimizer(config), config)
+        update = make_update(model, make_optimizer(config), config, use_positions)
         batches = iter(ExampleStream(corpus, 16, 128, chunks=3, batch_size=2, seed=1))
         runs[compiled, ckpt] = [update(batches) for _ in range(6)], dict(tree_flatten(model.trainable_parameters()))
         if restore:

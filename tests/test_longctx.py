@@ -4,6 +4,8 @@ import numpy as np
 import pytest
 
 from pose_mlx import longctx
+from pose_mlx.errors import UserError
+from pose_mlx.lengths import default_lengths, parse_lengths
 
 import mlx.core as mx
 
@@ -11,20 +13,21 @@ from conftest import build_model
 from _eval_helpers import make_eval_folder
 
 
-def test_parse_lengths_accepts_k_suffix_and_sorts():
-    assert longctx.parse_lengths("2k,4k,8192") == [2048, 4096, 8192]
-    assert longctx.parse_lengths(" 512 , 1K,512") == [512, 1024]
+def test_parse_lengths_accepts_k_and_x_suffixes_and_sorts():
+    assert parse_lengths("2k,4k,8192") == [2048, 4096, 8192]
+    assert parse_lengths(" 512 , 1K,512") == [512, 1024]
+    assert parse_lengths("1x,2x,8x", original=100) == [100, 200, 800]
 
 
-@pytest.mark.parametrize("bad", ["", "2k,,4k", "abc", "2.5k", "-4", "1", "4m"])
+@pytest.mark.parametrize("bad", ["", "2k,,4k", "abc", "2.3k", "-4", "1", "4m", "8x"])
 def test_parse_lengths_rejects_malformed(bad):
-    with pytest.raises(ValueError, match="--lengths"):
-        longctx.parse_lengths(bad)
+    with pytest.raises(UserError, match="--lengths"):
+        parse_lengths(bad)  # no original window known: "8x" cannot be resolved
 
 
 def test_default_lengths_double_from_half_the_original_window():
-    assert longctx.default_lengths(128, 1024) == [64, 128, 256, 512, 1024]
-    assert longctx.default_lengths(100, 300) == [50, 100, 200, 300]
+    assert default_lengths(128, 1024) == [64, 128, 256, 512, 1024]
+    assert default_lengths(100, 300) == [50, 100, 200, 300]
 
 
 def _log_softmax(x):
@@ -66,7 +69,7 @@ def test_memory_estimate_follows_the_formula():
 def test_check_memory_refuses_or_warns_above_ram(monkeypatch, capsys):
     model = build_model("llama")
     monkeypatch.setattr(longctx, "physical_memory", lambda: 10_000)
-    with pytest.raises(longctx.EvalError, match="GiB"):
+    with pytest.raises(UserError, match="GiB"):
         longctx.check_memory(model, [64, 4096], chunk=64)
     longctx.check_memory(model, [4096], chunk=64, force=True)
     assert "warning" in capsys.readouterr().err
@@ -75,84 +78,93 @@ def test_check_memory_refuses_or_warns_above_ram(monkeypatch, capsys):
 def test_load_eval_model_reads_windows_from_config(tmp_path):
     folder = make_eval_folder(tmp_path / "m", max_position_embeddings=96,
                               rope_scaling={"type": "linear", "factor": 2.0, "original_max_position_embeddings": 48})
-    info = longctx.load_eval_model(folder)
-    assert (info.original_length, info.max_length) == (48, 96)
+    info = longctx.load_eval_model(str(folder))
+    assert (info.original, info.maximum) == (48, 96)
 
 
 def test_folder_without_tokenizer_is_a_clear_error(tmp_path):
     folder = make_eval_folder(tmp_path / "m", tokenizer=False)
-    with pytest.raises(longctx.EvalError, match="no tokenizer files"):
-        longctx.load_eval_model(folder)
+    with pytest.raises(UserError, match="no tokenizer files"):
+        longctx.load_eval_model(str(folder))
 
 
-def test_scaling_extends_a_raw_model_with_position_interpolation(tmp_path):
-    pytest.importorskip("pose_mlx.rope")
+def test_schedule_extends_a_raw_model_with_position_interpolation(tmp_path):
     folder = make_eval_folder(tmp_path / "m", max_position_embeddings=64)
-    info = longctx.load_eval_model(folder, scaling="linear", target=256)
-    assert (info.original_length, info.max_length) == (64, 256)
+    info = longctx.load_eval_model(str(folder), schedule="linear", target="4x")
+    assert (info.original, info.maximum) == (64, 256)
     ext = info.model.pose_extension
-    assert ext.method == "linear" and ext.factor == pytest.approx(4.0)
+    assert ext.schedule == "linear" and ext.factor == pytest.approx(4.0)
 
 
 def test_folder_with_saved_schedule_is_evaluated_with_it(tmp_path):
-    pytest.importorskip("pose_mlx.rope")
-    from pose_mlx.patch import save_extension
+    from pose_mlx.model.patch import save_extension
 
     folder = make_eval_folder(tmp_path / "m", max_position_embeddings=64)
-    info = longctx.load_eval_model(folder, scaling="linear", target=256)  # reference: extended in memory
+    info = longctx.load_eval_model(str(folder), schedule="linear", target="256")  # reference: extended in memory
     save_extension(info.model, folder)
-    saved = longctx.load_eval_model(folder)
-    assert (saved.original_length, saved.max_length) == (64, 256) and "pose_mlx.json" in saved.schedule
+    saved = longctx.load_eval_model(str(folder))
+    assert (saved.original, saved.maximum) == (64, 256) and "pose_mlx.json" in saved.schedule
     tokens = np.arange(1, 200, dtype=np.int32) % 150
     np.testing.assert_allclose(longctx.chunked_logits(saved.model, tokens, 64),
                                longctx.chunked_logits(info.model, tokens, 64), atol=1e-5)
-    with pytest.raises(longctx.EvalError, match="already extended"):
-        longctx.load_eval_model(folder, scaling="linear", target=512)
+    with pytest.raises(UserError, match="already extended"):
+        longctx.load_eval_model(str(folder), schedule="linear", target="512")
 
 
-def test_both_commands_run_on_a_folder_exported_by_finetune(tmp_path, capsys):
-    pytest.importorskip("pose_mlx.rope")
-    pytest.importorskip("pose_mlx.data")
+def test_both_commands_run_on_a_folder_exported_by_finetune(tmp_path, capsys, monkeypatch):
     from pose_mlx import finetune, passkey, perplexity
 
     base = make_eval_folder(tmp_path / "base", max_position_embeddings=128)
     out = tmp_path / "extended"
-    assert finetune.main(["--model", str(base), "--target", "4x", "--method", "none", "--output", str(out),
+    assert finetune.main(["--model", str(base), "--target", "4x", "--sampler", "none", "--output", str(out),
                           "--no-progress"]) == 0
-    info = longctx.load_eval_model(out)
-    assert (info.original_length, info.max_length) == (128, 512)
+    info = longctx.load_eval_model(str(out))
+    assert (info.original, info.maximum) == (128, 512)
+    monkeypatch.chdir(tmp_path)  # without --output the JSON goes to <command>-<model>.json here
     data = tmp_path / "doc.txt"
     data.write_text(" ".join(f"The sky is blue {i}." for i in range(400)))
     assert perplexity.main(["--model", str(out), "--data", str(data), "--lengths", "128,512", "--stride", "64",
                             "--no-progress"]) == 0
     assert passkey.main(["--model", str(out), "--trials", "1", "--no-progress"]) == 0
-    printed = capsys.readouterr().out
-    assert "| 128 |" in printed and "| 512 |" in printed  # default passkey lengths: 64 is below the template
+    captured = capsys.readouterr()
+    assert "| 128 |" in captured.out and "| 512 |" in captured.out  # default passkey lengths: 64 is below the template
+    assert (tmp_path / "perplexity-extended.json").is_file() and (tmp_path / "passkey-extended.json").is_file()
+    assert "writing passkey-extended.json" in captured.err
 
 
 def test_target_shorter_than_the_window_names_the_flag(tmp_path):
-    pytest.importorskip("pose_mlx.rope")
     folder = make_eval_folder(tmp_path / "m", max_position_embeddings=64)
-    with pytest.raises(longctx.EvalError, match="--target: 32 is shorter than the original window 64"):
-        longctx.load_eval_model(folder, scaling="linear", target=32)
+    with pytest.raises(UserError, match="--target: 32 is shorter than the original window 64"):
+        longctx.load_eval_model(str(folder), schedule="linear", target="32")
 
 
-def test_cli_silences_transformers_warnings_logged_after_import(monkeypatch, capfd):
-    """transformers is imported (by mlx_lm) before a CLI runs, so the env variable alone would come too late."""
+def test_loading_silences_transformers_warnings_logged_after_import(monkeypatch, capfd, tmp_path):
+    """transformers is imported (by mlx_lm) before a model loads, so the env variable alone would come too late."""
     import transformers
+
+    from pose_mlx.model.source import quiet_transformers
 
     monkeypatch.delenv("TRANSFORMERS_VERBOSITY", raising=False)
     before = transformers.logging.get_verbosity()
     logger = transformers.logging.get_logger("transformers.modeling_rope_utils")
-
-    @longctx.cli_main("probe")
-    def probe(argv=None):
-        logger.warning("Unrecognized keys in `rope_parameters`")
-        return 0
-
     try:
         transformers.logging.set_verbosity_warning()
-        assert probe([]) == 0
+        quiet_transformers()
+        logger.warning("Unrecognized keys in `rope_parameters`")
         assert "Unrecognized keys" not in capfd.readouterr().err
     finally:
         transformers.logging.set_verbosity(before)
+
+
+@pytest.mark.parametrize("chunk", [7, 32, 100])
+def test_dynamic_ntk_perplexity_does_not_depend_on_the_chunk(tmp_path, chunk):
+    """Dynamic NTK sets its base from the whole window's length, as one forward pass does: chunked prefill gives
+    the full forward's NLLs whatever the chunk size (it changed them when the base followed each chunk's end)."""
+    from pose_mlx.model.patch import extend
+
+    model = build_model("llama")
+    extend(model, "dynamic", 32, 256)
+    tokens = np.random.default_rng(3).integers(0, 97, size=200).astype(np.int32)
+    logp = _log_softmax(np.array(model(mx.array(tokens)[None])[0], dtype=np.float64))
+    expected = -logp[np.arange(199), tokens[1:]]
+    np.testing.assert_allclose(longctx.chunked_nll(model, tokens, chunk=chunk), expected, atol=1e-4)

@@ -5,7 +5,9 @@ import json
 import numpy as np
 import pytest
 
-from pose_mlx import longctx, passkey
+from pose_mlx import longctx
+from pose_mlx import passkey
+from pose_mlx.errors import UserError
 
 import mlx.core as mx
 
@@ -44,7 +46,7 @@ def test_prompt_hits_its_target_length_within_one_sentence(tiny, length, depth):
 
 
 def test_too_short_length_is_an_error(tiny):
-    with pytest.raises(longctx.EvalError, match="shorter than the passkey template"):
+    with pytest.raises(UserError, match="shorter than the passkey template"):
         passkey.build_prompt(tiny[1].tokenizer, 0, 20, 0.5, 12345)
 
 
@@ -104,7 +106,8 @@ def test_cli_end_to_end(tiny, tmp_path, capsys):
     assert (tmp_path / "pk_heatmap.png").stat().st_size > 1000
 
 
-def test_cli_default_lengths_and_bad_inputs(tiny, tmp_path, capsys):
+def test_cli_default_lengths_and_bad_inputs(tiny, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default --output is written in the current folder
     folder = tiny[0]
     assert passkey.main(["--model", str(folder), "--trials", "1", "--no-progress"]) == 0
     out = capsys.readouterr().out
@@ -113,7 +116,7 @@ def test_cli_default_lengths_and_bad_inputs(tiny, tmp_path, capsys):
     assert passkey.main(["--model", str(small), "--no-progress"]) == 2
     assert "shorter than the passkey template" in capsys.readouterr().err
     for argv, fragment in [(["--lengths", "1k;2k"], "--lengths"), (["--lengths", "16"], "template"),
-                           (["--lengths", "100000k"], "GiB")]:
+                           (["--lengths", "16000k"], "GiB"), (["--lengths", "100000k"], "outside")]:
         assert passkey.main(["--model", str(folder), "--no-progress"] + argv) != 0
         err = capsys.readouterr().err.strip()
         assert "Traceback" not in err and len(err.splitlines()) == 1 and fragment in err, err
@@ -126,7 +129,7 @@ def test_module_entry_point_reports_bad_input_in_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pose_mlx.passkey", "--model", str(tmp_path), "--lengths", "2k,x"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "pose_mlx.passkey: error: --lengths: cannot parse 'x' in '2k,x' (expected e.g. 2k,4k,8192)"
+    assert proc.stderr.strip() == "pose_mlx.passkey: error: --lengths 'x' is not a length: use e.g. 32768, 32k, 1.5k or 8x"
 
 
 @pytest.mark.parametrize("reuse", [True, False])

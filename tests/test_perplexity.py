@@ -117,9 +117,12 @@ def test_cli_bad_inputs(folder, tmp_path, capsys):
     data = _corpus(tmp_path, n_docs=1, sentences=5)
     base = ["--model", str(folder), "--data", str(data), "--no-progress"]
     _fails(capsys, base + ["--lengths", "4k"], "the longest has")
-    _fails(capsys, base + ["--lengths", "2x"], "--lengths")
-    _fails(capsys, base + ["--lengths", "100000k"], "GiB")
-    _fails(capsys, ["--model", str(tmp_path / "nowhere"), "--data", str(data)], "not a folder")
+    _fails(capsys, base + ["--lengths", "2y"], "--lengths")
+    _fails(capsys, base + ["--lengths", "16000k"], "GiB")
+    _fails(capsys, base + ["--lengths", "100000k"], "outside")
+    _fails(capsys, base + ["--chunk", "0"], "--chunk")
+    _fails(capsys, base + ["--min-doc-tokens", "-5"], "--min-doc-tokens")
+    _fails(capsys, ["--model", str(tmp_path / "nowhere"), "--data", str(data)], "no such folder or file")
     bare = make_eval_folder(tmp_path / "bare", tokenizer=False)
     _fails(capsys, ["--model", str(bare), "--data", str(data)], "tokenizer")
 

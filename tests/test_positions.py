@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from pose_mlx.positions import (
     CONTENT,
-    METHODS,
+    SAMPLERS,
     pose_position_ids,
     randpos_position_ids,
     sample_example,
@@ -63,13 +63,13 @@ def test_pose_position_ids_properties(layout):
 
 @PROPERTY
 @given(layouts(), st.sampled_from(["pose", "pose-ref"]), st.sampled_from(CONTENT), st.integers(0, 60))
-def test_pose_examples_follow_eqs_3_to_5(layout, method, content, extra):
+def test_pose_examples_follow_eqs_3_to_5(layout, sampler, content, extra):
     window, target, chunks, seed = layout
-    if method == "pose-ref":
+    if sampler == "pose-ref":
         assume(window >= 2)
         chunks = 2
     doc_length = (target if content == "aligned" else window) + extra
-    ex = sample_example(doc_length, window, target, method, chunks, content, rng=seed)
+    ex = sample_example(doc_length, window, target, sampler, chunks, content, rng=seed)
     ids = ex.position_ids
     assert ids.dtype == np.int64 and ids.shape == (window,)
     assert ids[0] == 0 and np.all(np.diff(ids) >= 1) and ids[-1] < target
@@ -79,7 +79,7 @@ def test_pose_examples_follow_eqs_3_to_5(layout, method, content, extra):
     for i in range(chunks):  # eq. (4): chunk i holds u_i + st_i .. u_i + st_i + l_i - 1
         np.testing.assert_array_equal(ids[st_[i]:st_[i] + lengths[i]], u[i] + st_[i] + np.arange(lengths[i]))
     assert u[0] == 0 and np.all(np.diff(u) >= 0) and u[-1] <= target - window
-    if method == "pose-ref":
+    if sampler == "pose-ref":
         assert lengths[0] <= math.ceil(window / 2)
 
     assert v[0] == 0, "the paper sets v_0 = 0"
@@ -99,10 +99,10 @@ def test_pose_examples_follow_eqs_3_to_5(layout, method, content, extra):
     np.testing.assert_array_equal(ex.gather(tokens), expected)
     np.testing.assert_array_equal(ex.gather(list(tokens)), expected)
 
-    again = sample_example(doc_length, window, target, method, chunks, content, rng=seed)
+    again = sample_example(doc_length, window, target, sampler, chunks, content, rng=seed)
     np.testing.assert_array_equal(again.position_ids, ids)
     assert again.spans == ex.spans
-    if method == "pose":  # positions are drawn before content: same stream as pose_position_ids
+    if sampler == "pose":  # positions are drawn before content: same stream as pose_position_ids
         np.testing.assert_array_equal(ids, pose_position_ids(window, target, chunks, rng=seed))
 
 
@@ -152,9 +152,17 @@ def test_module_does_not_import_mlx():
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
-def test_names():
-    assert METHODS == ("pose", "pose-ref", "randpos", "full", "contiguous")
-    assert CONTENT == ("uniform", "zero", "aligned")
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_every_sampler_gives_increasing_positions_below_the_target(sampler):
+    """Whatever the sampler: strictly increasing position ids in [0, target) over document tokens in order."""
+    window, target, doc_length = 12, 48, 60
+    for seed in range(20):
+        ex = sample_example(doc_length, window, target, sampler, 3 if sampler == "pose" else 2, "uniform", rng=seed)
+        ids = ex.position_ids
+        assert len(ids) == (target if sampler == "full" else window)
+        assert np.all(np.diff(ids) > 0) and ids[0] >= 0 and ids[-1] < target
+        index = ex.token_index()
+        assert np.all(np.diff(index) > 0) and index[-1] < doc_length
 
 
 # ---------------------------------------------------------------- distributions
@@ -237,7 +245,7 @@ def test_pose_many_chunks_distribution(chunks):
 @pytest.mark.parametrize("window", [7, 6])
 def test_pose_ref_distribution(window):
     """Authors' code: l_0 ~ U{1..ceil(Lc/2)}, u_1 ~ U{0..Lt-Lc}, v_1 ~ U{0..Lx-Lc}, independent."""
-    samples = draw(20_000, window, doc_length=window + 2, window=window, target=window + 3, method="pose-ref")
+    samples = draw(20_000, window, doc_length=window + 2, window=window, target=window + 3, sampler="pose-ref")
     half = math.ceil(window / 2)
     pmf = product({(k,): 1 / half for k in range(1, half + 1)}, nondecreasing_uniform(1, 3),
                   nondecreasing_uniform(1, 2))
@@ -245,7 +253,7 @@ def test_pose_ref_distribution(window):
 
 
 def test_distribution_check_tells_pose_from_pose_ref():
-    samples = draw(2_000, 0, doc_length=6, window=6, target=10, method="pose-ref")
+    samples = draw(2_000, 0, doc_length=6, window=6, target=10, sampler="pose-ref")
     with pytest.raises(AssertionError, match="support differs"):
         assert_matches([(int(l[0]), int(u[1])) for l, _, u, _ in samples],
                        product(figure6_lengths(6, 2), nondecreasing_uniform(1, 4)))
@@ -269,15 +277,15 @@ def test_randpos_distribution():
     (lambda: pose_position_ids(5, 8, chunks=6), "chunks"),
     (lambda: randpos_position_ids(5, 4), "target"),
     (lambda: sample_example(4, 5, 8), "doc_length"),
-    (lambda: sample_example(7, 5, 8, method="full"), "doc_length"),
+    (lambda: sample_example(7, 5, 8, sampler="full"), "doc_length"),
     (lambda: sample_example(7, 5, 8, content="aligned"), "doc_length"),
-    (lambda: sample_example(7, 5, 8, method="pose-ref", content="aligned"), "doc_length"),
-    (lambda: sample_example(9, 5, 8, method="nope"), "method"),
+    (lambda: sample_example(7, 5, 8, sampler="pose-ref", content="aligned"), "doc_length"),
+    (lambda: sample_example(9, 5, 8, sampler="nope"), "sampler"),
     (lambda: sample_example(9, 5, 8, content="nope"), "content"),
-    (lambda: sample_example(9, 5, 8, method="pose-ref", chunks=3), "chunks"),
-    (lambda: sample_example(9, 1, 8, method="pose-ref"), "window"),
-    (lambda: sample_example(9, 5, 8, method="randpos", content="aligned"), "content"),
-    (lambda: sample_example(9, 5, 4, method="contiguous"), "target"),
+    (lambda: sample_example(9, 5, 8, sampler="pose-ref", chunks=3), "chunks"),
+    (lambda: sample_example(9, 1, 8, sampler="pose-ref"), "window"),
+    (lambda: sample_example(9, 5, 8, sampler="randpos", content="aligned"), "content"),
+    (lambda: sample_example(9, 5, 4, sampler="contiguous"), "target"),
     (lambda: sample_example(9, 5, 8).gather(np.arange(8)), "tokens"),
 ])
 def test_bad_arguments_name_the_argument(call, name):

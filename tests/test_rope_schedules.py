@@ -7,8 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-import pose_mlx  # noqa: F401  (loads the fast BLAS before mlx)
-from pose_mlx.rope import SCHEDULES, dynamic_ntk_base, list_schedules, scaled_inv_freq
+from pose_mlx.rope import SCHEDULES, dynamic_ntk_base, scaled_inv_freq, schedule_parameters
 
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.rope_utils import Llama3RoPE, SuScaledRoPE, YarnRoPE  # noqa: E402
@@ -36,10 +35,23 @@ def hf_yarn_gamma(d, base, length, beta_fast=32.0, beta_slow=1.0, truncate=True)
     return np.array([1.0 - min(max((i - lo) / (hi - lo), 0.0), 1.0) for i in range(d // 2)])
 
 
-def test_registry_lists_every_schedule():
-    assert list_schedules() == ALL
-    assert set(SCHEDULES) == set(ALL)
-    assert all(SCHEDULES[name].__doc__ for name in ALL)
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_every_schedule_extends_and_takes_exactly_its_parameters(name):
+    """Each registered schedule is documented, slows no frequency down by more than s nor speeds one up
+    (theta / s <= theta' <= theta), accepts its declared parameters at their defaults and refuses others."""
+    d, base, s, length = 64, 1e4, 4.0, 512
+    fn_doc = SCHEDULES[name].__doc__
+    assert fn_doc and len(fn_doc.split()) > 5
+    params = schedule_parameters(name)
+    inv, att = scaled_inv_freq(name, d, base, s, length, **params)
+    th = theta(d, base)
+    assert np.all(np.isfinite(inv)) and att >= 1.0
+    lower = th / s if name != "abf" else th / 50.0 ** 1  # ABF lowers frequencies by its own beta, not by s
+    if name in ("ntk", "dynamic"):
+        lower = th / s ** (d / (d - 2))
+    assert np.all(inv <= th * (1 + 1e-12)) and np.all(inv >= lower * (1 - 1e-12)), name
+    with pytest.raises(ValueError, match="unknown parameter"):
+        scaled_inv_freq(name, d, base, s, length, not_a_parameter=1)
 
 
 @pytest.mark.parametrize("method", [m for m in ALL if m != "dprope"])  # dprope: see its own test

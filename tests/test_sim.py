@@ -10,7 +10,7 @@ import re
 import numpy as np
 import pytest
 
-from pose_mlx.data import TokenizedCorpus
+from pose_mlx.training.data import TokenizedCorpus
 from pose_mlx.sim import __main__ as sim
 from pose_mlx.sim import claims
 from pose_mlx.sim.config import matched_base, parse_config
@@ -49,7 +49,7 @@ def test_quick_numbers_come_from_the_evaluators_and_finetune(quick):
         ppl = json.loads((quick / "eval" / f"{name}.ppl.json").read_text())["results"]
         assert run["ppl"] == {str(r["length"]): r["ppl"] for r in ppl}
         schedule = json.loads((quick / "runs" / name / "pose_mlx.json").read_text())["schedule"]
-        assert schedule["method"] == run["spec"]["scaling"] and schedule["target_length"] == c["target"]
+        assert schedule["schedule"] == run["spec"]["scaling"] and schedule["target"] == c["target"]
     # same tokens per update: full_batch sequences of Lt tokens or full_batch * Lt / Lc of Lc tokens (L-1 targets each)
     assert results["runs"]["full-linear"]["cost"]["tokens_per_step"] == c["full_batch"] * (c["target"] - 1)
     assert results["runs"]["pose-linear"]["cost"]["tokens_per_step"] == \

@@ -1,6 +1,5 @@
 """pose_mlx.toy: offline model folders load through mlx-lm and reproduce the model and tokenizer that made them."""
 
-import pose_mlx  # noqa: F401  (fast BLAS before mlx)
 
 import importlib.util
 import json
@@ -17,6 +16,7 @@ from mlx_lm.models import llama
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from pose_mlx import toy
+from pose_mlx.model.source import build_model
 
 TRAIN_CHARS = 300_000
 
@@ -123,7 +123,7 @@ def test_make_model_folder_loads_with_mlx_lm(tok_dir, tmp_path):
 def test_save_model_folder_round_trip_and_generation(tok_dir, tmp_path):
     config = toy.model_config(512, hidden_size=32, num_layers=2, num_heads=2, rope_theta=300.0,
                               tie_word_embeddings=False)
-    model = toy.build_model(config, seed=3)
+    model = build_model(config, seed=3)
     folder = toy.save_model_folder(model, config, tok_dir, tmp_path / "saved")
     loaded, tokenizer = mlx_lm.load(str(folder))
     tokens = mx.array(np.random.default_rng(1).integers(0, 512, size=(1, 64)))

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import sys
 from pathlib import Path
 
 import numpy as np
 
 from pose_mlx.analysis import (angle_histograms, coverage_monte_carlo, coverage_probability, disturbances,
-                               examples_to_cover, extrapolation_sum, granularity_constant, granularity_limit,
-                               helix, interpolation_bound, rope_inv_freq)
+                               dprope_factors, examples_to_cover, extrapolation_sum, granularity_constant,
+                               granularity_limit, helix, interpolation_bound, rope_inv_freq)
+from pose_mlx.angles import FLOOR
+from pose_mlx.errors import ArgumentParser, UserError, command
 
 
 def _pyplot():
@@ -69,7 +73,7 @@ def plot_angles(args, out: Path) -> dict:
     s = args.target / args.window
     cands = {"extrapolation": theta, "interpolation": theta / s}
     kl = disturbances(cands, theta, args.window, args.target, args.bins)
-    factors = np.where(kl["extrapolation"] <= kl["interpolation"], 1.0, s)
+    factors = dprope_factors(theta, args.window, args.target, args.bins)
     dims = [int(d) for d in args.dims]
     pre = angle_histograms(theta[dims], args.window, args.bins)
     ext = angle_histograms(theta[dims], args.target, args.bins)
@@ -105,7 +109,7 @@ def plot_angles(args, out: Path) -> dict:
     _save(fig, out / "dprope_kl.png")
     record = {"scale": s, "factors": factors.tolist(), "kl_extrapolation": kl["extrapolation"].tolist(),
               "kl_interpolation": kl["interpolation"].tolist(), "bins": args.bins,
-              "kl_direction": "KL(extended || pre-trained)", "empty_bin_eps": 1e-10}
+              "kl_direction": "KL(pre-trained || candidate)", "bin_count_floor": FLOOR}
     (out / "dprope.json").write_text(json.dumps(record, indent=1) + "\n")
     return {"interpolated_pairs": int(chosen.sum()), "pairs": len(theta)}
 
@@ -183,11 +187,12 @@ def plot_bounds(args, out: Path) -> dict:
             "first_s_with_B_below_d": float(below[0]) if below.size else None}
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv=None):
+    p = ArgumentParser(prog="python tools/coverage.py", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("out/coverage"), help="output folder (default out/coverage)")
-    p.add_argument("--window", type=int, default=2048, help="training window / original length Lc (default 2048)")
-    p.add_argument("--target", type=int, default=16384, help="target length Lt (default 16384)")
+    p.add_argument("--window", type=int, default=2048, help="training window = original length (default 2048)")
+    p.add_argument("--target", type=int, default=16384, help="target length (default 16384)")
     p.add_argument("--head-dim", type=int, default=128, help="attention head dimension d (default 128)")
     p.add_argument("--base", type=float, default=1e4, help="RoPE base b (default 1e4)")
     p.add_argument("--bins", type=int, default=360, help="angle histogram bins (default 360)")
@@ -200,31 +205,32 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="largest distance s of the bound curves (default 10000)")
     p.add_argument("--seed", type=int, default=0, help="random seed of the Monte Carlo runs (default 0)")
     args = p.parse_args(argv)
-    if args.window < 3 or args.target < args.window:
-        p.error("--window must be >= 3 and --target >= --window")
-    if args.head_dim < 2 or args.head_dim % 2:
-        p.error(f"--head-dim must be a positive even integer, got {args.head_dim}")
-    if not args.base > 1:
-        p.error(f"--base must be > 1, got {args.base:g}")
-    if args.bins < 1:
-        p.error(f"--bins must be >= 1, got {args.bins}")
-    if args.samples < 2:
-        p.error(f"--samples must be >= 2, got {args.samples}")
-    if not 0 < args.alpha <= 1:
-        p.error(f"--alpha must lie in (0, 1], got {args.alpha:g}")
-    if not args.bound_range >= 1:
-        p.error(f"--bound-range must be >= 1, got {args.bound_range:g}")
-    if any(not 0 <= d < args.head_dim // 2 for d in args.dims):
-        p.error(f"--dims must lie in [0, {args.head_dim // 2})")
+    checks = [
+        (args.window >= 3 and args.target >= args.window, "--window must be >= 3 and --target >= --window"),
+        (args.target <= 1 << 24, f"--target {args.target} is too large for this tool (at most 16M positions)"),
+        (args.head_dim >= 2 and args.head_dim % 2 == 0, f"--head-dim must be a positive even integer, got "
+                                                        f"{args.head_dim}"),
+        (math.isfinite(args.base) and args.base > 1, f"--base must be a finite number > 1, got {args.base:g}"),
+        (1 <= args.bins <= 100_000, f"--bins must be between 1 and 100000, got {args.bins}"),
+        (2 <= args.samples <= 10_000_000, f"--samples must be between 2 and 10^7, got {args.samples}"),
+        (0 < args.alpha <= 1, f"--alpha must lie in (0, 1], got {args.alpha:g}"),
+        (math.isfinite(args.bound_range) and args.bound_range >= 1,
+         f"--bound-range must be a finite number >= 1, got {args.bound_range:g}"),
+        (all(0 <= d < args.head_dim // 2 for d in args.dims), f"--dims must lie in [0, {args.head_dim // 2})"),
+        (args.seed >= 0, f"--seed must be >= 0, got {args.seed}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise UserError(message)
     try:
         args.out.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        p.error(f"--out: cannot create {args.out}: {error.strerror}")
+        raise UserError(f"--out: cannot create {args.out}: {error.strerror}") from None
     return args
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
+def run(args) -> dict:
+    """Every figure and table; returns the summary written to summary.json."""
     summary = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                "examples_for_p99_each_distance": plot_coverage(args, args.out),
                "dprope": plot_angles(args, args.out),
@@ -236,5 +242,11 @@ def main(argv=None) -> dict:
     return summary
 
 
+@command("coverage.py")
+def main(argv=None) -> int:
+    run(parse_args(argv))
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

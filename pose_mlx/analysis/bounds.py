@@ -1,4 +1,5 @@
-"""Interpolation vs extrapolation bounds of Position Interpolation (seed 003, Theorem 2.1, eqs. 5-8).
+"""Interpolation vs extrapolation bounds of Position Interpolation (Chen et al., "Extending Context Window of
+Large Language Models via Positional Interpolation", arXiv 2306.15595, Theorem 2.1, eqs. 5-8).
 
 a(s) = Re sum_{j<d/2} h_j exp(i s theta_j), theta_j = c^(-2j/d).
 Interpolation (eq. 5): |a(s) - a_linear(s)| <= d max|h_j| (s - s1)(s2 - s) / (8 ln c).
@@ -9,13 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-
-def _theta(head_dim: int, base: float) -> np.ndarray:
-    if int(head_dim) != head_dim or head_dim < 2 or head_dim % 2:
-        raise ValueError(f"head_dim must be a positive even integer, got {head_dim!r}")
-    if not base > 1:
-        raise ValueError(f"base must be > 1, got {base!r}")
-    return float(base) ** (-2.0 * np.arange(head_dim // 2) / head_dim)
+from ..rope import rope_inv_freq as _theta
 
 
 def interpolation_bound(s, head_dim: int = 4096, base: float = 1e4, s1: float | None = None,

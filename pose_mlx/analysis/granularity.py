@@ -1,4 +1,5 @@
-"""Embedding granularity of PI vs ABF (seed 001, Appendix B, Theorem 1).
+"""Embedding granularity of PI vs ABF (Xiong et al., "Effective Long-Context Scaling of Foundation Models",
+arXiv 2309.16039, Appendix B, Theorem 1).
 
 C_d = (2/d) * sum_{j<d/2} sin(omega_j) with omega_j = alpha * b^(-2j/d) (PI) or (beta*b)^(-2j/d) (ABF):
 the MEAN over the d/2 frequency pairs. The paper's numbers (alpha(log b)^-1 ~ 0.027 for alpha = 1/4, b = 1e4;
@@ -14,22 +15,20 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..rope import rope_inv_freq
+
 
 def _frequencies(head_dim: int, base: float, alpha, beta) -> np.ndarray:
-    if int(head_dim) != head_dim or head_dim < 2 or head_dim % 2:
-        raise ValueError(f"head_dim must be a positive even integer, got {head_dim!r}")
-    if not base > 1:
-        raise ValueError(f"base must be > 1, got {base!r}")
+    """omega_j: alpha * theta_j (PI) or the frequencies of base beta * b (ABF)."""
     if (alpha is None) == (beta is None):
         raise ValueError("give exactly one of alpha (PI) or beta (ABF)")
-    j = np.arange(head_dim // 2, dtype=np.float64)
     if alpha is not None:
         if not alpha > 0:
             raise ValueError(f"alpha must be > 0, got {alpha!r}")
-        return alpha * float(base) ** (-2.0 * j / head_dim)
+        return alpha * rope_inv_freq(head_dim, base)
     if not beta > 0:
         raise ValueError(f"beta must be > 0, got {beta!r}")
-    return (float(beta) * base) ** (-2.0 * j / head_dim)
+    return rope_inv_freq(head_dim, float(beta) * base)
 
 
 def granularity_constant(head_dim: int, base: float, alpha: float | None = None, beta: float | None = None) -> float:

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import toy
-from ..data import read_documents
+from ..training.data import read_documents
 
 
 def split_documents(texts: list[str], test_docs: int, val_fraction: float, seed: int) -> dict[str, list[str]]:
@@ -113,7 +113,7 @@ def passkey_documents(tokenizer, count: int, window: int, seed: int) -> list[str
 
 
 def write_passkey_file(path: Path, texts: list[str]) -> Path:
-    """One .jsonl document per line (field 'text'), the format `pose_mlx.data` reads."""
+    """One .jsonl document per line (field 'text'), the format `pose_mlx.training.data` reads."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     return path

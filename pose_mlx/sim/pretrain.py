@@ -1,4 +1,4 @@
-"""Pre-training the simulator's base model from scratch at window Lc with `pose_mlx.train.train`.
+"""Pre-training the simulator's base model from scratch at window Lc with `pose_mlx.training.loop.train`.
 
 The model is a random mlx-lm llama (`pose_mlx.toy`), patched with `pose_mlx.extend(model, "none", Lc, Lc)`
 (the raw RoPE frequencies, so explicit position ids work) and trained with the fine-tuning loop on
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import toy
-from ..data import ExampleStream, TokenizedCorpus, tokenize_corpus
+from ..training.data import ExampleStream, TokenizedCorpus, tokenize_corpus
 from .corpus import passkey_documents, write_passkey_file
 
 
@@ -60,8 +60,8 @@ def pretrain(folder: Path, tokenizer_dir: Path, train_dir: Path, val_dir: Path, 
     from mlx.utils import tree_flatten
     from mlx_lm import load
 
-    from ..patch import extend
-    from ..train import TrainConfig, evaluate, train
+    from ..model.patch import extend, use_positions
+    from ..training.loop import TrainConfig, evaluate, train
 
     folder = Path(folder)
     partial = folder.with_name(folder.name + ".partial")
@@ -84,15 +84,15 @@ def pretrain(folder: Path, tokenizer_dir: Path, train_dir: Path, val_dir: Path, 
         sources.append(tokenize_corpus(passkey_file, tokenizer, cache_dir, window, progress=progress))
     blocks = block_corpus(sources, window, [None, 1][: len(sources)])
     pad = tokenizer.eos_token_id or 0
-    stream = ExampleStream(blocks, window, window, method="contiguous", batch_size=batch, seed=seed, pad_id=pad)
+    stream = ExampleStream(blocks, window, window, sampler="contiguous", batch_size=batch, seed=seed, pad_id=pad)
     resume = (partial / "checkpoint").exists()
     tconfig = TrainConfig(steps=steps, lr=lr, warmup=max(1, steps // 20), save_every=max(1, steps // 10),
                           progress=progress)
-    last = train(model, stream, tconfig, partial, resume=resume)
+    last = train(model, stream, tconfig, partial, use_positions, resume=resume)
     val = block_corpus([tokenize_corpus(val_dir, tokenizer, cache_dir, window, progress=progress)], window)
-    val_stream = ExampleStream(val, window, window, method="contiguous", batch_size=batch, seed=seed + 1,
+    val_stream = ExampleStream(val, window, window, sampler="contiguous", batch_size=batch, seed=seed + 1,
                                pad_id=pad)
-    val_loss = evaluate(model, itertools.islice(iter(val_stream), 10))
+    val_loss = evaluate(model, itertools.islice(iter(val_stream), 10), use_positions)
     log = [json.loads(line) for line in (partial / "log.jsonl").read_text().splitlines() if line.strip()]
     record = {"steps": steps, "batch": batch, "window": window, "lr": lr, "rope_base": base,
               "train_tokens": int(sum(r["tokens"] for r in log)), "blocks": blocks.num_docs,

@@ -5,10 +5,14 @@ Pipeline (NumPy only; never imports MLX):
     source ──read_documents──▶ str documents ──tokenize_corpus──▶ cache (tokens.npy + offsets.npy + meta.json)
            ──TokenizedCorpus (memory-mapped)──▶ ExampleStream ──▶ Batch(inputs, targets, positions, mask)
 
-A source is a text file (the whole file is one document), a ``.jsonl`` file (one document per line, field
-``text``), a folder (its .txt/.md/.py/.jsonl files, recursively, in sorted order) or a hub dataset repo id.
-The token cache is written in chunks, so a corpus larger than memory works; documents shorter than
-``min_length`` tokens are left out of it.
+A source is a text file (the whole file is one document), a ``.jsonl`` file (one document per line in one of
+mlx-lm's formats: ``{"text"}``, chat ``{"messages": [{"role", "content"}, ...]}`` or completions
+``{"prompt", "completion"}``, the last two rendered with the tokenizer's chat template), a folder (its
+.txt/.md/.py/.jsonl files, recursively, in sorted order; folders written by pose_mlx - holding pose_mlx.json or
+run.json - are skipped), or a hub dataset repo id. A folder laid out as mlx-lm's data folders (train.jsonl,
+valid.jsonl, test.jsonl) is read by split: training reads only train.jsonl, held-out evaluation valid.jsonl, and
+test.jsonl is never read. The token cache is written in chunks, so a corpus larger than memory works; documents
+shorter than ``min_length`` tokens are left out of it.
 """
 
 from __future__ import annotations
@@ -25,15 +29,20 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from .positions import CONTENT, METHODS, Example, sample_example
+from ..errors import UserError
+from ..positions import CONTENT, SAMPLERS, Example, sample_example
 
 SUFFIXES = (".txt", ".md", ".py", ".jsonl")
+#: mlx-lm's data folder layout: a folder with train.jsonl is read split by split.
+SPLITS = ("train", "valid", "test")
+#: Files that mark a folder written by pose_mlx (an exported model, an unfinished run): never read as data.
+OWN_MARKS = ("pose_mlx.json", "run.json")
 CACHE_VERSION = 1
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _HEADER_BYTES = 128  # a 1-D '<i4' .npy v1.0 header is 128 bytes for any length < 10**19
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A problem with the user's data, reported as one line (no traceback)."""
 
 
@@ -71,9 +80,12 @@ def _download(repo_id: str) -> Path:
     return Path(folder)
 
 
-def resolve_files(source) -> list[Path]:
-    """The files ``source`` stands for: [file], a folder's text files (sorted, hidden entries skipped), or the
-    files of a hub dataset (downloaded). DataError when there are none."""
+def resolve_files(source, split: str = "train") -> list[Path]:
+    """The files ``source`` stands for: [file], a folder's text files (sorted, hidden entries and pose_mlx's own
+    output folders skipped), mlx-lm's ``<split>.jsonl`` of a folder laid out as its data folders (``[]`` when that
+    split is absent), or the files of a hub dataset (downloaded). DataError when a training source has none."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     path = Path(source).expanduser()
     if not path.exists():
         if isinstance(source, str) and _HUB_ID.match(source) and path.suffix.lower() not in SUFFIXES:
@@ -81,12 +93,48 @@ def resolve_files(source) -> list[Path]:
         else:
             raise DataError(f"--data {source}: no such file or folder")
     if path.is_file():
-        return [path]
+        return [path] if split == "train" else []
+    if (path / "train.jsonl").is_file():  # mlx-lm's layout
+        chosen = path / f"{split}.jsonl"
+        return [chosen] if chosen.is_file() else []
+    if split != "train":
+        return []
+    own = {p.parent for mark in OWN_MARKS for p in path.rglob(mark)}
     files = sorted(p for p in path.rglob("*") if p.suffix.lower() in SUFFIXES and p.is_file()
-                   and not any(part.startswith(".") for part in p.relative_to(path).parts))
+                   and not any(part.startswith(".") for part in p.relative_to(path).parts)
+                   and not any(folder == p.parent or folder in p.parents for folder in own))
     if not files:
         raise DataError(f"--data {source}: no {'/'.join(SUFFIXES)} files in this folder")
     return files
+
+
+def chat_renderer(tokenizer):
+    """record -> text for mlx-lm's chat (``messages``) and completions (``prompt``/``completion``) records, rendered
+    with the tokenizer's chat template (completions without a template: prompt + completion); None for records of
+    neither kind."""
+    template = getattr(tokenizer, "chat_template", None)
+
+    def render(record: dict) -> str | None:
+        if "messages" in record:
+            messages = record["messages"]
+        elif "prompt" in record and "completion" in record:
+            if not (isinstance(record["prompt"], str) and isinstance(record["completion"], str)):
+                raise ValueError("'prompt' and 'completion' must be strings")
+            if not template:
+                return record["prompt"] + record["completion"]
+            messages = [{"role": "user", "content": record["prompt"]},
+                        {"role": "assistant", "content": record["completion"]}]
+        else:
+            return None
+        if not (isinstance(messages, list) and messages and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages)):
+            raise ValueError("'messages' must be a non-empty list of {'role': str, 'content': str}")
+        if not template:
+            raise ValueError("chat records need a tokenizer with a chat template; this model's has none")
+        return tokenizer.apply_chat_template(messages, tokenize=False)
+
+    return render
 
 
 def _decode(raw: bytes) -> tuple[str | None, str | None]:
@@ -104,9 +152,10 @@ def _skip(stats: ReadStats, kind: str) -> None:
     setattr(stats, f"skipped_{kind}", getattr(stats, f"skipped_{kind}") + 1)
 
 
-def _jsonl_documents(path: Path, stats: ReadStats) -> Iterator[str]:
-    """The ``text`` field of each line; blank lines ignored, lines that are not JSON or lack a string ``text``
-    are a DataError naming the line; empty texts and non-UTF-8 lines are skipped and counted."""
+def _jsonl_documents(path: Path, stats: ReadStats, render=None) -> Iterator[str]:
+    """The document of each line: its ``text`` field, or a chat / completions record rendered by ``render``
+    (`chat_renderer`); blank lines ignored, lines that are not JSON or of no known format are a DataError naming
+    the line; empty texts and non-UTF-8 lines are skipped and counted."""
     with open(path, "rb") as f:
         head = f.read(8192)
         if b"\x00" in head:
@@ -124,29 +173,42 @@ def _jsonl_documents(path: Path, stats: ReadStats) -> Iterator[str]:
                 continue
             except json.JSONDecodeError:
                 raise DataError(f"{path}:{number}: not valid JSON") from None
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise DataError(f"{path}:{number}: expected a JSON object with a string field 'text'")
-            if not record["text"].strip():
+            text = _record_text(record, render, path, number)
+            if not text.strip():
                 _skip(stats, "empty")
                 continue
             stats.documents += 1
-            yield record["text"]
+            yield text
 
 
-def read_documents(source, stats: ReadStats | None = None) -> Iterator[str]:
-    """Yield the documents of ``source`` (see the module docstring) one at a time, in a deterministic order.
+def _record_text(record, render, path: Path, number: int) -> str:
+    if isinstance(record, dict) and isinstance(record.get("text"), str):
+        return record["text"]
+    try:
+        text = render(record) if render is not None and isinstance(record, dict) else None
+    except Exception as error:  # a malformed chat record, or a template that rejects it
+        raise DataError(f"{path}:{number}: {error}") from None
+    if text is None:
+        kinds = "'text', 'messages' (chat) or 'prompt' + 'completion'" if render else "a string field 'text'"
+        raise DataError(f"{path}:{number}: expected a JSON object with {kinds}")
+    return text
+
+
+def read_documents(source, stats: ReadStats | None = None, split: str = "train", render=None) -> Iterator[str]:
+    """Yield the documents of ``source``'s ``split`` (see the module docstring) one at a time, in a deterministic
+    order; ``render`` (`chat_renderer(tokenizer)`) turns chat / completions records into text.
 
     Empty, binary (NUL bytes) and non-UTF-8 files are skipped and counted in ``stats`` (pass a ReadStats to
     see the counts). DataError for a missing path, an unreachable hub, or malformed .jsonl lines.
     """
-    yield from read_files(resolve_files(source), ReadStats() if stats is None else stats)
+    yield from read_files(resolve_files(source, split), ReadStats() if stats is None else stats, render)
 
 
-def read_files(files: Iterable[Path], stats: ReadStats) -> Iterator[str]:
+def read_files(files: Iterable[Path], stats: ReadStats, render=None) -> Iterator[str]:
     """``read_documents`` over already resolved files."""
     for path in files:
         if path.suffix.lower() == ".jsonl":
-            yield from _jsonl_documents(path, stats)
+            yield from _jsonl_documents(path, stats, render)
             continue
         text, problem = _decode(path.read_bytes())
         if problem is not None:
@@ -215,8 +277,7 @@ def _npy_header(length: int) -> bytes:
 
 class TokenWriter:
     """Append int32 token ids to a .npy file in chunks of about ``chunk_size`` tokens: at most
-    chunk_size + (one document) tokens are held in memory; the header gets the final length on close.
-    ``flushes`` and ``max_buffered`` record what happened (for tests and curiosity)."""
+    chunk_size + (one document) tokens are held in memory; the header gets the final length on close."""
 
     def __init__(self, path: Path, chunk_size: int = 1 << 20):
         if chunk_size < 1:
@@ -225,13 +286,12 @@ class TokenWriter:
         self.file = open(self.path, "wb")
         self.file.write(_npy_header(0))
         self.buffer: list[np.ndarray] = []
-        self.buffered = self.length = self.flushes = self.max_buffered = 0
+        self.buffered = self.length = 0
 
     def append(self, ids) -> None:
         array = np.asarray(ids, dtype="<i4")
         self.buffer.append(array)
         self.buffered += len(array)
-        self.max_buffered = max(self.max_buffered, self.buffered)
         if self.buffered >= self.chunk_size:
             self.flush()
 
@@ -239,7 +299,6 @@ class TokenWriter:
         if self.buffer:
             self.file.write(np.concatenate(self.buffer).tobytes())
             self.length += self.buffered
-            self.flushes += 1
             self.buffer, self.buffered = [], 0
 
     def close(self) -> None:
@@ -282,18 +341,23 @@ def _write_cache(documents: Iterable[str], tokenizer, folder: Path, min_length: 
 
 
 def tokenize_corpus(source, tokenizer, cache_dir, min_length: int, bos: bool = True, eos: bool = True,
-                    progress: bool = True, chunk_size: int = 1 << 20) -> "TokenizedCorpus":
-    """Tokenize every document of ``source`` once and cache the ids under ``cache_dir/<fingerprint>/``.
+                    progress: bool = True, chunk_size: int = 1 << 20, split: str = "train") -> "TokenizedCorpus":
+    """Tokenize every document of ``source``'s ``split`` once and cache the ids under ``cache_dir/<fingerprint>/``.
 
-    The fingerprint hashes the tokenizer (``tokenizer_fingerprint``), the files (paths, sizes, mtimes),
-    ``min_length``, ``bos`` and ``eos``; a cache with that fingerprint is reused without encoding anything.
+    The fingerprint hashes the tokenizer (``tokenizer_fingerprint``) and its chat template, the files (paths,
+    sizes, mtimes), ``min_length``, ``bos`` and ``eos``; a cache with that fingerprint is reused without encoding
+    anything.
     A new cache is written in a temporary folder then renamed into place, so a crash never leaves a partial
     cache. Documents with fewer than ``min_length`` tokens (counting BOS/EOS) are dropped.
     """
     if isinstance(min_length, bool) or not isinstance(min_length, (int, np.integer)) or min_length < 1:
         raise ValueError(f"min_length must be an integer >= 1, got {min_length!r}")
-    files = resolve_files(source)
+    files = resolve_files(source, split)
+    if not files:
+        raise DataError(f"--data {source}: no {split}.jsonl")
+    render = chat_renderer(tokenizer)
     payload = {"version": CACHE_VERSION, "tokenizer": tokenizer_fingerprint(tokenizer),
+               "chat_template": str(getattr(tokenizer, "chat_template", None) or ""),
                "files": _source_entries(files), "min_length": int(min_length), "bos": bool(bos), "eos": bool(eos)}
     fingerprint = _fingerprint(payload)
     cache_dir = Path(cache_dir).expanduser()
@@ -307,7 +371,7 @@ def tokenize_corpus(source, tokenizer, cache_dir, min_length: int, bos: bool = T
     temp.mkdir()
     try:
         stats = ReadStats()
-        counts = _write_cache(read_files(files, stats), tokenizer, temp, int(min_length), bos, eos,
+        counts = _write_cache(read_files(files, stats, render), tokenizer, temp, int(min_length), bos, eos,
                               chunk_size, progress)
         if stats.documents == 0:
             raise DataError(f"--data {source}: no readable document ({stats.describe()})")
@@ -382,21 +446,16 @@ class TokenizedCorpus:
                      for ids, side in ((kept, "train"), (held, "heldout")))
 
 
-def data_fingerprint(corpus: TokenizedCorpus) -> str:
-    """The fingerprint of the cached corpus (tokenizer + files + min_length + BOS/EOS) for export metadata."""
-    return corpus.fingerprint
-
-
 # ---------------------------------------------------------------------------------------------- batches
 
 
 @dataclass
 class Batch:
-    """B examples of T = L - 1 next-token predictions (L = window, or target for method 'full').
+    """B examples of T = L - 1 next-token predictions (L = window, or target for sampler 'full').
 
     inputs[b, t] = x[t], targets[b, t] = x[t + 1], positions[b, t] = p[t] (position id of input t), where x, p
-    are the example's tokens and position ids; mask[b, t] = 1.0 for a real target, 0.0 for padding (and, with
-    ``mask_chunk_boundary``, for the first token of each chunk after the first). docs[b] = document index."""
+    are the example's tokens and position ids; mask[b, t] = 1.0 for a real target, 0.0 for padding.
+    docs[b] = document index."""
 
     inputs: np.ndarray  # int32 (B, T)
     targets: np.ndarray  # int32 (B, T)
@@ -421,10 +480,10 @@ def collate(examples: list[tuple[np.ndarray, np.ndarray, np.ndarray]], docs, pad
     return Batch(inputs, targets, positions, mask, np.asarray(docs, dtype=np.int64))
 
 
-def required_length(window: int, target: int, method: str, content: str) -> int:
+def required_length(window: int, target: int, sampler: str, content: str) -> int:
     """Fewest document tokens ``sample_example`` accepts: target for 'full' and for PoSE with 'aligned'
     content, else window."""
-    if method == "full" or (content == "aligned" and method in ("pose", "pose-ref")):
+    if sampler == "full" or (content == "aligned" and sampler in ("pose", "pose-ref")):
         return target
     return window
 
@@ -435,40 +494,39 @@ class ExampleStream:
 
     All randomness comes from one ``np.random.Generator`` seeded with ``seed``; ``state_dict()`` /
     ``load_state_dict()`` save and restore it, so a resumed stream yields exactly the batches the original
-    would have. ``mask_chunk_boundary=False`` follows the paper and the authors' code (every target counts,
-    including the first token of a chunk, predicted across the position skip); True masks those targets.
+    would have. Every target counts, including the first token of a later chunk, predicted across the position
+    skip, as in the paper and the authors' code.
 
     Data-parallel shards: with ``world`` W > 1 each batch draws W * ``batch_size`` examples (the draws a
     single stream with batch W * ``batch_size`` makes) and keeps rows ``rank * batch_size`` to
     ``(rank + 1) * batch_size - 1``, so the W ranks together see exactly the single stream's batch.
     """
 
-    def __init__(self, corpus: TokenizedCorpus, window: int, target: int, method: str = "pose", chunks: int = 2,
+    def __init__(self, corpus: TokenizedCorpus, window: int, target: int, sampler: str = "pose", chunks: int = 2,
                  content: str = "uniform", batch_size: int = 1, seed: int = 0, pad_id: int = 0,
-                 mask_chunk_boundary: bool = False, rank: int = 0, world: int = 1):
+                 rank: int = 0, world: int = 1):
         if not 0 <= rank < world:
             raise ValueError(f"rank must be in [0, world={world}), got {rank}")
-        if method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        if sampler not in SAMPLERS:
+            raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
         if content not in CONTENT:
             raise ValueError(f"content must be one of {CONTENT}, got {content!r}")
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         self.corpus, self.window, self.target = corpus, window, target
-        self.method, self.chunks, self.content = method, chunks, content
+        self.sampler, self.chunks, self.content = sampler, chunks, content
         self.batch_size, self.seed, self.pad_id = int(batch_size), seed, pad_id
-        self.mask_chunk_boundary = mask_chunk_boundary
         self.rank, self.world = rank, world
-        need = required_length(window, target, method, content)
-        self.length = target if method == "full" else window  # tokens per example
+        need = required_length(window, target, sampler, content)
+        self.length = target if sampler == "full" else window  # tokens per example
         if self.length < 2:
             raise ValueError(f"an example needs >= 2 tokens (one input, one target), got {self.length}")
-        sample_example(need, window, target, method, chunks, content, rng=0)  # validates the arguments
+        sample_example(need, window, target, sampler, chunks, content, rng=0)  # validates the arguments
         self.doc_lengths = lengths = corpus.lengths
         self.eligible = np.flatnonzero(lengths >= need)
         if len(self.eligible) == 0:
             longest = int(lengths.max()) if len(lengths) else 0
-            raise DataError(f"no document has >= {need} tokens, which method={method!r} content={content!r} "
+            raise DataError(f"no document has >= {need} tokens, which sampler={sampler!r} content={content!r} "
                             f"needs (corpus has {corpus.num_docs} documents, longest has {longest} tokens)")
         self.rng = np.random.default_rng(seed)
         self.batches = 0
@@ -481,17 +539,13 @@ class ExampleStream:
     def _draw(self) -> tuple[int, Example]:
         """A document index and an example layout for it (consumes the generator; reads no tokens)."""
         doc = int(self.eligible[self.rng.integers(len(self.eligible))])
-        return doc, sample_example(int(self.doc_lengths[doc]), self.window, self.target, self.method, self.chunks,
+        return doc, sample_example(int(self.doc_lengths[doc]), self.window, self.target, self.sampler, self.chunks,
                                    self.content, rng=self.rng)
 
     def _materialize(self, doc: int, example: Example) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(tokens, position ids, target mask) of one drawn example."""
         x = np.asarray(self.corpus.doc(doc)[example.token_index()], dtype=np.int32)
-        mask = np.ones(len(x) - 1, dtype=np.float32)
-        if self.mask_chunk_boundary:
-            starts = np.cumsum([n for _, n in example.spans])[:-1]  # index in x of each later chunk's first token
-            mask[starts - 1] = 0.0
-        return x, example.position_ids, mask
+        return x, example.position_ids, np.ones(len(x) - 1, dtype=np.float32)
 
     def next_batch(self) -> Batch:
         drawn = [self._draw() for _ in range(self.batch_size * self.world)]
@@ -515,3 +569,62 @@ class ExampleStream:
                             f"(fingerprint {state.get('fingerprint')}, this run {self.corpus.fingerprint})")
         self.rng.bit_generator.state = state["rng"]
         self.batches = int(state["batches"])
+
+
+# ---------------------------------------------------------------------------------------------- a run's data
+
+
+@dataclass
+class TrainingData:
+    """The data of a fine-tuning run: the training stream (this rank's rows), the held-out batches (or None) and
+    the corpus fingerprint recorded in the exported metadata."""
+
+    stream: ExampleStream
+    eval_batches: object  # () -> iterable of Batch, or None
+    probe: Batch  # one batch of a separate stream (held-out data when there is some), for checks
+    fingerprint: str
+    skipped: ReadStats
+
+
+def training_data(settings, tokenizer, window: int, target: int, world) -> TrainingData:
+    """Tokenize `settings.data` (rank 0 first; the other ranks then read its cache) and build the streams.
+
+    `settings` is a `pose_mlx.settings.RunSettings`. Documents shorter than `settings.min_length` (default: the
+    example length) are dropped. Held-out batches (for `eval_every`) come from mlx-lm's valid.jsonl when the data
+    has one, else from a seeded `heldout` fraction of the documents."""
+    length = target if settings.sampler == "full" else window
+    min_length = settings.min_length or length
+    cache = Path(settings.cache_dir).expanduser()
+
+    def tokenize(split: str) -> TokenizedCorpus:
+        return tokenize_corpus(settings.data, tokenizer, cache, min_length, split=split,
+                               progress=settings.progress and world.is_main)
+
+    corpus = tokenize("train") if world.is_main else None
+    world.barrier()  # the other ranks find rank 0's cache instead of tokenizing the corpus again
+    corpus = corpus or tokenize("train")
+    heldout = None
+    if settings.eval_every:
+        if resolve_files(settings.data, "valid"):
+            heldout = tokenize("valid")
+        else:
+            corpus, heldout = corpus.split(settings.heldout, settings.seed)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+
+    def stream(c: TokenizedCorpus, seed: int, sharded: bool) -> ExampleStream:
+        """Global batches of batch_size * ranks rows; `sharded`: only this rank's batch_size rows of each."""
+        rank, ranks = (world.rank, world.size) if sharded else (0, 1)
+        return ExampleStream(c, window, target, sampler=settings.sampler, chunks=settings.chunks,
+                             content=settings.content, batch_size=settings.batch_size * world.size // ranks,
+                             seed=seed, pad_id=pad_id, rank=rank, world=ranks)
+
+    eval_batches = None
+    if heldout is not None:
+        import itertools
+
+        def eval_batches():  # rank 0 evaluates whole global batches
+            return itertools.islice(iter(stream(heldout, settings.seed + 1, sharded=False)), settings.eval_batches)
+
+    probe = stream(heldout or corpus, settings.seed + 2, sharded=False).next_batch()
+    return TrainingData(stream(corpus, settings.seed, sharded=True), eval_batches, probe, corpus.fingerprint,
+                        ReadStats(**corpus.meta.get("stats", {})))

@@ -1,18 +1,23 @@
-"""Rotary-angle distributions and DPRoPE's per-dimension choice (seed 002, eqs. 5-7 and its selection rule).
+"""Rotary-angle distributions and DPRoPE's per-dimension choice (NumPy only; `pose_mlx.rope` builds on it).
 
-Angle of dimension pair i at position m: Theta^i_m = m * theta_i mod 2*pi. [0, 2*pi) is cut into b equal intervals
-(eq. 5); F^i_k(L) = #{m in [0, L): Theta^i_m in interval k} / L (eq. 6) is the discrete distribution P^i_L (eq. 7).
-Disturbance of dimension i = KL(P_ext || P_pre) = sum_k P_ext(k) * log(P_ext(k) / P_pre(k)), the extended
-distribution (Lt positions, scheduled theta) measured against the pre-training one (Lc positions, original theta),
-so rotary angles never seen in pre-training are what costs. Empty pre-training bins are smoothed by replacing
-P_pre(k) = 0 with EPS (then renormalising); empty extended bins contribute 0 (0 log 0 = 0).
+Wu et al., "Extending Context Window of Large Language Models from a Distributional Perspective"
+(arXiv 2410.01490), eqs. 5-7: the angle of dimension pair i at position m is Theta^i_m = m * theta_i mod 2*pi;
+[0, 2*pi) is cut into b equal intervals (eq. 5) and P^i_L(k) = #{m in [0, L): Theta^i_m in interval k} / L
+(eqs. 6-7) is the rotary-angle distribution of a context of L positions.
+
+DPRoPE keeps, per dimension, the candidate frequency (extrapolation theta_i or interpolation theta_i / s) whose
+angle distribution over the target length disturbs the pre-trained one least, measured as the authors' code
+does: KL(P_pre || P_candidate) = sum_k P_pre(k) log(P_pre(k) / P_candidate(k)), every bin's count starting
+from a tiny floor (`FLOOR`) so that no probability is 0; exact ties go to extrapolation.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-EPS = 1e-10
+#: The count every bin starts from (float16's smallest normal number, as in the authors' code): an empty bin of
+#: a distribution over L positions has probability FLOOR / L instead of 0, so the KL divergence stays finite.
+FLOOR = 2.0 ** -14
 
 
 def _slow_counts(delta: float, length: int, bins: int) -> np.ndarray:
@@ -84,43 +89,39 @@ def angle_histograms(inv_freq, length: int, bins: int = 360) -> np.ndarray:
     return counts / float(length)
 
 
-def kl_divergence(p_ext: np.ndarray, p_pre: np.ndarray, eps: float = EPS) -> np.ndarray:
-    """Row-wise KL(p_ext || p_pre) with the module's smoothing (zeros of p_pre -> eps, renormalised)."""
-    q = np.where(p_pre > 0, p_pre, eps)
-    q = q / q.sum(axis=-1, keepdims=True)
-    p = np.asarray(p_ext, dtype=np.float64)
-    terms = np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0) / q), 0.0)
-    return terms.sum(axis=-1)
+def kl_divergence(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Row-wise KL(p || q) = sum_k p_k log(p_k / q_k) of distributions with no zero entry (see `floored`)."""
+    p, q = np.asarray(p, dtype=np.float64), np.asarray(q, dtype=np.float64)
+    if np.any(p <= 0) or np.any(q <= 0):
+        raise ValueError("kl_divergence needs strictly positive distributions; floor them first (`floored`)")
+    return np.sum(p * np.log(p / q), axis=-1)
 
 
-def rope_inv_freq(head_dim: int, base: float) -> np.ndarray:
-    """theta_i = base^(-2i/d), i = 0 .. d/2 - 1."""
-    if int(head_dim) != head_dim or head_dim < 2 or head_dim % 2:
-        raise ValueError(f"head_dim must be a positive even integer, got {head_dim!r}")
-    if not base > 1:
-        raise ValueError(f"base must be > 1, got {base!r}")
-    return float(base) ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+def floored(histograms: np.ndarray, length: int) -> np.ndarray:
+    """Histograms of fractions (rows sum to 1 over `length` positions) with every bin's count raised by `FLOOR`."""
+    return np.asarray(histograms, dtype=np.float64) + FLOOR / float(length)
 
 
 def disturbances(candidates: dict[str, np.ndarray], inv_freq, original_length: int, target_length: int,
                  bins: int = 360) -> dict[str, np.ndarray]:
-    """Per candidate schedule (name -> its inv_freq, shape (d/2,)), the per-dimension KL(P_Lt(candidate) ||
-    P_Lc(inv_freq)). Candidates may be any schedule (e.g. NTK or YaRN from pose_mlx.rope)."""
-    if int(target_length) != target_length or target_length < original_length:
-        raise ValueError(f"target_length must be an integer >= original_length, got {target_length!r}")
-    pre = angle_histograms(inv_freq, original_length, bins)
-    return {name: kl_divergence(angle_histograms(f, target_length, bins), pre) for name, f in candidates.items()}
-
-
-def dprope_factors(head_dim: int, base: float, original_length: int, target_length: int,
-                   bins: int = 360) -> np.ndarray:
-    """DPRoPE's per-dimension factors, float64 (d/2,): 1.0 where extrapolation (theta_i) disturbs the angle
-    distribution no more than interpolation (theta_i / s), else s = target_length / original_length
-    (ties -> extrapolation). The scheduled frequencies are base^(-2i/d) / factors."""
+    """Per candidate (name -> its inverse frequencies, shape (d/2,)), the per-dimension disturbance
+    KL(P_pre || P_candidate): P_pre over `original_length` positions at `inv_freq`, P_candidate over
+    `target_length` positions at the candidate's frequencies. Candidates may be any schedule's frequencies."""
     if int(original_length) != original_length or original_length < 1:
         raise ValueError(f"original_length must be a positive integer, got {original_length!r}")
-    theta = rope_inv_freq(head_dim, base)
+    if int(target_length) != target_length or target_length < original_length:
+        raise ValueError(f"target_length must be an integer >= original_length, got {target_length!r}")
+    pre = floored(angle_histograms(inv_freq, original_length, bins), original_length)
+    return {name: kl_divergence(pre, floored(angle_histograms(f, target_length, bins), target_length))
+            for name, f in candidates.items()}
+
+
+def dprope_factors(inv_freq, original_length: int, target_length: int, bins: int = 360) -> np.ndarray:
+    """DPRoPE's per-dimension factors, float64 (d/2,): 1.0 where extrapolation (theta_i) disturbs the pre-trained
+    angle distribution no more than interpolation (theta_i / s) - exact ties included -, else
+    s = target_length / original_length. The scheduled frequencies are inv_freq / factors."""
+    theta = np.asarray(inv_freq, dtype=np.float64)
     s = target_length / original_length
-    kl = disturbances({"extrapolation": theta, "interpolation": theta / s}, theta, original_length,
-                      target_length, bins)
+    kl = disturbances({"extrapolation": theta, "interpolation": theta / s}, theta, original_length, target_length,
+                      bins)
     return np.where(kl["extrapolation"] <= kl["interpolation"], 1.0, s)

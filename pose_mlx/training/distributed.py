@@ -1,7 +1,7 @@
 """Data-parallel training over `mx.distributed` (processes started by `mlx.launch`).
 
 Every rank holds the whole model and takes its own rows of each global batch (see
-`pose_mlx.data.ExampleStream`'s `rank`/`world`). Gradients are combined token-weighted:
+`pose_mlx.training.data.ExampleStream`'s `rank`/`world`). Gradients are combined token-weighted:
 
     g = sum_r n_r * g_r / sum_r n_r,   loss = sum_r n_r * loss_r / sum_r n_r
 

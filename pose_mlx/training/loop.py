@@ -1,16 +1,22 @@
-"""The fine-tuning loop: masked next-token loss at explicit position ids, AdamW, resumable.
+"""The training loop: masked next-token loss at explicit position ids, AdamW, resumable, checked.
 
-- Loss: L = sum_t mask_t * CE(logits_t, target_t) / sum_t mask_t (padding has mask 0). The forward runs
-  inside `pose_mlx.use_positions(model, batch.positions)`, around the whole `value_and_grad` call, so
-  gradient checkpointing (which re-runs the forward in the backward) sees the same positions.
+- How the model reads a batch's position ids is given by the caller: `at_positions(model, ids)`, a context
+  manager (`pose_mlx.use_positions` for an extended model). The loop wraps the whole `value_and_grad` call in
+  it, so gradient checkpointing (which re-runs the forward in the backward) sees the same positions.
+- Loss: L = sum_t mask_t * CE(logits_t, target_t) / sum_t mask_t (padding has mask 0).
 - Update: gradients averaged over `grad_accum` micro-batches, clipped to global norm `max_grad_norm`,
-  AdamW with learning rate 0 -> lr linearly over `warmup` steps, then linearly down to 0 at `steps`.
-- Checkpoints every `save_every` steps and when SIGINT/SIGTERM arrive (then `Interrupted` is raised);
-  a non-finite loss raises `NonFiniteLoss` naming the step and leaves the last good checkpoint alone.
+  AdamW (no weight decay) with learning rate 0 -> lr linearly over `warmup` steps, then linearly down to 0 at
+  `steps`.
+- Checkpoints every `save_every` steps and when SIGINT/SIGTERM arrive (then `Interrupted` is raised). The loss
+  and gradient norm are checked every step and the weights before every checkpoint: the first non-finite value
+  raises `NonFinite`, naming the step, and the last finite checkpoint is kept. A model whose held-out loss is no
+  better than a uniform guess, or whose outputs no longer depend on its input, is `Collapsed` (never exported).
+- log.jsonl: one JSON object per line (non-finite numbers written as null), each line written whole; a torn
+  last line left by a kill is dropped on --resume.
 - `compile=True` (default) runs the micro-batch gradients and the clip + AdamW update as two `mx.compile`d
   functions (position ids are an argument, model and optimizer state their implicit inputs and outputs);
   the math is the same as the eager path (`compile=False`), tested to 1e-5.
-- Data parallel (`world` from `pose_mlx.distributed.init()`): each rank's loss and gradients are combined
+- Data parallel (`world` from `pose_mlx.training.distributed.init()`): each rank's loss and gradients are combined
   token-weighted over the ranks (`World.weighted_mean`); only rank 0 logs and writes checkpoints; a signal
   on any rank stops every rank after the same step.
 """
@@ -31,19 +37,24 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_map
 
-from .checkpoint import load_checkpoint, read_state, save_checkpoint
+from .checkpoint import NonFiniteWeights, load_checkpoint, read_state, save_checkpoint
 from .distributed import SINGLE, World
-from .patch import use_positions
+from ..errors import UserError
 
 
-class NonFiniteLoss(RuntimeError):
-    """The loss became NaN or infinite at `step`."""
+class NonFinite(UserError):
+    """The loss, the gradient norm or a weight became NaN or infinite at `step` (too high a learning rate)."""
 
-    def __init__(self, step: int, checkpoint_step: int | None):
-        kept = f"the last good checkpoint (step {checkpoint_step}) is kept" if checkpoint_step else "no checkpoint was written yet"
-        super().__init__(f"loss is not finite at step {step}; training stopped, {kept} "
+    def __init__(self, what: str, step: int, checkpoint_step: int | None):
+        kept = (f"the last finite checkpoint (step {checkpoint_step}) is kept" if checkpoint_step
+                else "no checkpoint was written yet")
+        super().__init__(f"{what} is not finite at step {step}; training stopped, {kept} "
                          "(start over with a lower --lr and --overwrite)")
         self.step = step
+
+
+class Collapsed(UserError):
+    """Training destroyed the model (finite weights, but no better than chance or blind to its input)."""
 
 
 class Interrupted(RuntimeError):
@@ -62,7 +73,6 @@ class TrainConfig:
     steps: int = 1000
     lr: float = 2e-5
     warmup: int = 10
-    weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     grad_accum: int = 1
     grad_checkpoint: bool = False
@@ -94,7 +104,7 @@ def learning_rate_schedule(lr: float, warmup: int, steps: int) -> Callable:
 
 def make_optimizer(config: TrainConfig) -> optim.Optimizer:
     return optim.AdamW(learning_rate=learning_rate_schedule(config.lr, config.warmup, config.steps),
-                       weight_decay=config.weight_decay)
+                       weight_decay=0.0)
 
 
 def masked_loss(model: nn.Module, inputs: mx.array, targets: mx.array, mask: mx.array) -> mx.array:
@@ -104,12 +114,12 @@ def masked_loss(model: nn.Module, inputs: mx.array, targets: mx.array, mask: mx.
     return ce.sum() / mx.maximum(mask.sum(), 1.0)
 
 
-def evaluate(model: nn.Module, batches: Iterable) -> float:
+def evaluate(model: nn.Module, batches: Iterable, at_positions: Callable) -> float:
     """Token-weighted mean masked loss over `batches` (each evaluated at its own position ids)."""
     total, count = 0.0, 0.0
     for batch in batches:
         mask = mx.array(batch.mask)
-        with use_positions(model, batch.positions):
+        with at_positions(model, batch.positions):
             loss = masked_loss(model, mx.array(batch.inputs), mx.array(batch.targets), mask)
         n = float(mask.sum().item())
         total += float(loss.item()) * n
@@ -154,10 +164,13 @@ class _Progress:
 
             self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
 
-    def update(self, record: dict):
+    def update(self, record: dict, eval_loss: float | None):
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
-                                 peak=_memory(record["peak_memory_gb"]), refresh=False)
+            shown = {"loss": f"{record['loss']:.4f}"}
+            if eval_loss is not None:
+                shown["eval"] = f"{eval_loss:.4f}"
+            shown.update(tok_s=f"{record['tokens_per_s']:.0f}", peak=_memory(record["peak_memory_gb"]))
+            self.bar.set_postfix(shown, refresh=False)
             self.bar.update(1)
 
     def close(self):
@@ -165,11 +178,12 @@ class _Progress:
             self.bar.close()
 
 
-def train(model: nn.Module, stream, config: TrainConfig, run_dir, eval_batches: Callable | None = None,
-          resume: bool = False, world: World = SINGLE) -> dict:
-    """Train `model` (its trainable parameters) on batches from `stream` for `config.steps` updates.
+def train(model: nn.Module, stream, config: TrainConfig, run_dir, at_positions: Callable,
+          eval_batches: Callable | None = None, resume: bool = False, world: World = SINGLE) -> dict:
+    """Train `model` (its trainable parameters) on batches from `stream` for `config.steps` updates, the model
+    reading each batch's position ids within `at_positions(model, ids)`.
 
-    `stream` is a `pose_mlx.data.ExampleStream` (iterable of batches, with state_dict/load_state_dict);
+    `stream` is a `pose_mlx.training.data.ExampleStream` (iterable of batches, with state_dict/load_state_dict);
     `run_dir` receives `checkpoint/` and `log.jsonl` (one JSON record per step: step, loss, lr,
     grad_norm, tokens, tokens_per_s, peak_memory_gb, seconds, and eval_loss when evaluated).
     `eval_batches()` returns a fresh iterable of held-out batches. Returns the last step's record.
@@ -185,13 +199,14 @@ def train(model: nn.Module, stream, config: TrainConfig, run_dir, eval_batches: 
         stream.load_state_dict(record["data"])
         start, last = record["step"], record["metrics"]
         if world.is_main:
-            _truncate_log(log_path, start)
+            truncate_log(log_path, start)
     elif log_path.exists() and world.is_main:
         log_path.unlink()
     saved_step = start if start else None
+    eval_loss = last.get("eval_loss")
 
     restore_call = _enable_grad_checkpoint(model) if config.grad_checkpoint else None
-    update = make_update(model, optimizer, config, world)
+    update = make_update(model, optimizer, config, at_positions, world)
     batches = iter(stream)
     bar = _Progress(config.progress and world.is_main, config.steps, start)
     mx.reset_peak_memory()
@@ -202,22 +217,27 @@ def train(model: nn.Module, stream, config: TrainConfig, run_dir, eval_batches: 
                 t0 = time.perf_counter()
                 loss, grad_norm, tokens = update(batches)
                 seconds = time.perf_counter() - t0
-                if not math.isfinite(loss):
-                    raise NonFiniteLoss(step, saved_step)
                 last = {"step": step, "loss": loss, "lr": float(optimizer.learning_rate.item()),
                         "grad_norm": grad_norm, "tokens": tokens, "tokens_per_s": tokens / max(seconds, 1e-9),
                         "peak_memory_gb": mx.get_peak_memory() / 2**30, "seconds": seconds}
+                for what, value in (("the loss", loss), ("the gradient norm", grad_norm)):
+                    if not math.isfinite(value):
+                        if world.is_main:
+                            append_log(log, last)
+                        raise NonFinite(what, step, saved_step)
                 if world.is_main:
                     if eval_batches is not None and config.eval_every and (step % config.eval_every == 0
                                                                             or step == config.steps):
-                        last["eval_loss"] = evaluate(model, eval_batches())
-                    log.write(json.dumps(last) + "\n")
-                    log.flush()
-                bar.update(last)
+                        eval_loss = last["eval_loss"] = evaluate(model, eval_batches(), at_positions)
+                    append_log(log, last)
+                bar.update(last, eval_loss)
                 stop = world.any(flag.signum is not None)
                 if stop or step == config.steps or (config.save_every and step % config.save_every == 0):
                     if world.is_main:
-                        save_checkpoint(ckpt_dir, step, model, optimizer, stream.state_dict(), metrics=last)
+                        try:
+                            save_checkpoint(ckpt_dir, step, model, optimizer, stream.state_dict(), metrics=last)
+                        except NonFiniteWeights:
+                            raise NonFinite("a trainable weight", step, saved_step) from None
                     saved_step = step
                 if stop:
                     raise Interrupted(flag.signum or signal.SIGTERM, step, world)
@@ -228,7 +248,45 @@ def train(model: nn.Module, stream, config: TrainConfig, run_dir, eval_batches: 
     return last
 
 
-def make_update(model: nn.Module, optimizer: optim.Optimizer, config: TrainConfig, world: World = SINGLE):
+def _finite_or_none(value):
+    return value if not isinstance(value, float) or math.isfinite(value) else None
+
+
+def append_log(log, record: dict) -> None:
+    """One JSON line (non-finite numbers as null), written with a single write so a kill tears at most it."""
+    log.write(json.dumps({k: _finite_or_none(v) for k, v in record.items()}, allow_nan=False) + "\n")
+    log.flush()
+
+
+def read_log(path: Path) -> list[dict]:
+    """The records of a log.jsonl; a torn last line (a run killed while writing it) is dropped."""
+    records = []
+    lines = Path(path).read_text().split("\n") if Path(path).exists() else []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number == len(lines):  # the unterminated last line
+                break
+            raise UserError(f"--resume: {path}:{number} is damaged; start over with --overwrite") from None
+    return records
+
+
+def truncate_log(path: Path, step: int) -> None:
+    """Keep the records up to `step` (later ones were written after the last checkpoint by a killed run), via a
+    temporary file renamed into place."""
+    if not path.exists():
+        return
+    kept = [r for r in read_log(path) if isinstance(r, dict) and r.get("step", 0) <= step]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    tmp.replace(path)
+
+
+def make_update(model: nn.Module, optimizer: optim.Optimizer, config: TrainConfig, at_positions: Callable,
+                world: World = SINGLE):
     """`update(batches) -> (mean loss, grad norm, tokens of all ranks)`: one optimizer update over
     `config.grad_accum` micro-batches drawn from the iterator `batches`.
 
@@ -239,7 +297,7 @@ def make_update(model: nn.Module, optimizer: optim.Optimizer, config: TrainConfi
     value_and_grad = nn.value_and_grad(model, masked_loss)
 
     def gradients(inputs, targets, mask, positions):
-        with use_positions(model, positions):
+        with at_positions(model, positions):
             loss, grads = value_and_grad(model, inputs, targets, mask)
         count = mask.sum()
         loss, grads = world.weighted_mean((loss, grads), count)
@@ -294,13 +352,35 @@ def _enable_grad_checkpoint(model) -> Callable:
     return restore
 
 
-def _truncate_log(path: Path, step: int) -> None:
-    """Drop log records after `step` (written after the last checkpoint by a killed run)."""
-    if not path.exists():
-        return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in kept))
+def probe_loss(model: nn.Module, batch, at_positions: Callable) -> float:
+    """The model's mean loss on `batch` (at its position ids)."""
+    with at_positions(model, batch.positions):
+        loss = masked_loss(model, mx.array(batch.inputs), mx.array(batch.targets), mx.array(batch.mask))
+    return float(loss.item())
 
 
-__all__ = ["Interrupted", "NonFiniteLoss", "TrainConfig", "evaluate", "learning_rate_schedule", "make_optimizer",
-           "make_update", "masked_loss", "train"]
+def check_not_collapsed(model: nn.Module, batch, at_positions: Callable, before: float, step: int) -> None:
+    """Collapsed when training left the model's loss on `batch` (text it should predict) at least that of a
+    uniform guess, ln(vocabulary), and above its loss `before` training; or when its logits no longer depend on the
+    input (every position of every row gives the same distribution, to 1e-4 of the logits' scale)."""
+    with at_positions(model, batch.positions):
+        logits = model(mx.array(batch.inputs)).astype(mx.float32)
+    mask = mx.array(batch.mask)
+    ce = nn.losses.cross_entropy(logits, mx.array(batch.targets)) * mask
+    loss = float((ce.sum() / mx.maximum(mask.sum(), 1.0)).item())
+    flat = logits.reshape(-1, logits.shape[-1])
+    spread = float(mx.max(mx.abs(flat - flat[:1])).item())
+    scale = float(mx.max(mx.abs(flat)).item())
+    uniform = math.log(logits.shape[-1])
+    if not math.isfinite(loss) or (loss >= uniform and loss > before):
+        raise Collapsed(f"training collapsed by step {step}: the loss on real text went from {before:.3f} to "
+                        f"{loss:.3f}, no better than a uniform guess ({uniform:.3f}); nothing was exported (start "
+                        "over with a lower --lr and --overwrite)")
+    if spread <= 1e-4 * max(scale, 1.0):
+        raise Collapsed(f"training collapsed by step {step}: the model gives the same output whatever its input; "
+                        "nothing was exported (start over with a lower --lr and --overwrite)")
+
+
+__all__ = ["Collapsed", "Interrupted", "NonFinite", "TrainConfig", "append_log", "check_not_collapsed", "evaluate",
+           "learning_rate_schedule", "make_optimizer", "make_update", "masked_loss", "probe_loss", "read_log",
+           "train", "truncate_log"]

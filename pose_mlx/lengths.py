@@ -1,0 +1,60 @@
+"""The length grammar every command shares: `8192`, `8k` / `8K` / `1.5k` (k = 1024 tokens), `8x` (times the
+model's original window). `parse_length` reads one length (finetune's `--target`), `parse_lengths` a comma list
+(the evaluators' `--lengths`); both raise `UserError` naming the flag.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .errors import UserError
+
+#: No model reads more: a length above this is a typo (10^12), refused before anything is allocated.
+MAX_LENGTH = 1 << 24
+_LENGTH = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kKxX]?)\s*")
+
+
+def parse_length(text, original: int | None = None, flag: str = "--target") -> int:
+    """'32768' | '32k' | '32K' | '1.5k' | '8x' (times `original`) -> a whole number of tokens in [2, MAX_LENGTH]."""
+    match = _LENGTH.fullmatch(str(text))
+    if not match:
+        raise UserError(f"{flag} {text!r} is not a length: use e.g. 32768, 32k, 1.5k or 8x")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    if unit == "x":
+        if original is None:
+            raise UserError(f"{flag} {text!r} is relative but the original window is unknown; pass --original")
+        number *= original
+    elif unit == "k":
+        number *= 1024
+    if abs(number - round(number)) > 1e-6:
+        raise UserError(f"{flag} {text!r} is not a whole number of tokens ({number:g})")
+    if not 2 <= number <= MAX_LENGTH:
+        raise UserError(f"{flag} {text!r} = {number:g} tokens is outside [2, {MAX_LENGTH}]")
+    return int(round(number))
+
+
+def parse_lengths(text, original: int | None = None, flag: str = "--lengths") -> list[int]:
+    """A comma list of `parse_length` items ('2k,4k,8192' or '1x,2x,4x'), sorted and unique."""
+    items = [item for item in str(text).split(",")]
+    if not any(item.strip() for item in items):
+        raise UserError(f"{flag}: no length given (expected e.g. 2k,4k,8192)")
+    lengths = set()
+    for item in items:
+        if not item.strip():
+            raise UserError(f"{flag}: empty item in {text!r} (expected e.g. 2k,4k,8192)")
+        lengths.add(parse_length(item, original, flag))
+    return sorted(lengths)
+
+
+def default_lengths(original: int, maximum: int) -> list[int]:
+    """Doubling from half the original window up to `maximum` (which is always included)."""
+    lengths, length = [], max(2, original // 2)
+    while length <= maximum:
+        lengths.append(length)
+        length *= 2
+    if not lengths or lengths[-1] != maximum:
+        lengths.append(maximum)
+    return lengths
+
+
+__all__ = ["MAX_LENGTH", "default_lengths", "parse_length", "parse_lengths"]

@@ -1,0 +1,204 @@
+"""Model references, configs and loading: the one place every command turns `--model` into a model.
+
+A reference is an alias (`ALIASES`: a hub id plus the model's original window), a local mlx-lm / Hugging Face
+folder (config.json, weights, tokenizer files), a `.gguf` file (llama.cpp, Ollama, LM Studio; read by
+`pose_mlx.gguf`), or a Hugging Face hub id `owner/name` (downloaded with huggingface_hub). `resolve` checks the
+reference without loading weights, `read_config` gives its configuration (config.json, or the GGUF metadata),
+`load` the model and tokenizer - with the schedule of a folder written by `pose_mlx.finetune` re-applied
+(`pose_mlx.json`), so schedules that a plain config cannot express come back exactly.
+Everything the user can get wrong raises `UserError`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import UserError
+
+ALIASES = {
+    "llama-7b": ("huggyllama/llama-7b", 2048),
+    "llama-2-7b": ("meta-llama/Llama-2-7b-hf", 4096),
+    "llama-2-13b": ("meta-llama/Llama-2-13b-hf", 4096),
+    "mistral-7b": ("mistralai/Mistral-7B-v0.1", 8192),
+    "tinyllama": ("TinyLlama/TinyLlama_v1.1", 2048),
+    "qwen2.5-0.5b": ("Qwen/Qwen2.5-0.5B", 32768),
+}
+#: One of these makes a folder's tokenizer loadable by mlx-lm.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer.tiktoken", "tiktoken.model")
+#: The file in which `pose_mlx.finetune` records the schedule of an exported model.
+SCHEDULE_FILE = "pose_mlx.json"
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """Where a model comes from: `path` is a local folder or a .gguf file; `window` the alias's original window."""
+
+    name: str
+    path: Path
+    window: int | None = None
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.path.suffix.lower() == ".gguf"
+
+
+def describe_aliases() -> str:
+    return "\n".join(f"  {k:<14} {repo:<40} original window {w}" for k, (repo, w) in ALIASES.items())
+
+
+def resolve(name: str, weights: bool = True) -> ModelRef:
+    """The local place of model reference `name`; a hub id is downloaded (only its config.json when not
+    `weights`). UserError for an unknown alias, a folder without config.json, an unreachable hub."""
+    if not name:
+        raise UserError("--model is required (a folder, a .gguf file, a hub id or an alias)")
+    window = None
+    if name in ALIASES:
+        name, window = ALIASES[name]
+    path = Path(name).expanduser()
+    if path.exists():
+        if path.is_dir() and not (path / "config.json").is_file():
+            raise UserError(f"--model {name}: no config.json in that folder")
+        if path.is_file() and path.suffix.lower() != ".gguf":
+            raise UserError(f"--model {name}: a file, but not a .gguf model; pass a model folder or a .gguf file")
+        return ModelRef(name, path, window)
+    if not _HUB_ID.fullmatch(name):
+        raise UserError(f"--model {name!r}: no such folder or file, and not a known alias ({', '.join(ALIASES)}) "
+                        "or hub id (owner/name)")
+    return ModelRef(name, _download(name, weights), window)
+
+
+def _download(repo_id: str, weights: bool) -> Path:
+    from huggingface_hub import hf_hub_download, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+
+    try:
+        if weights:
+            return Path(snapshot_download(repo_id, allow_patterns=DEFAULT_ALLOW_PATTERNS))
+        return Path(hf_hub_download(repo_id, "config.json")).parent
+    except LocalEntryNotFoundError:  # no network, or HF_HUB_OFFLINE, and nothing cached
+        raise UserError(f"--model {repo_id}: cannot reach the Hugging Face hub to download it (offline?) and it "
+                        "is not in the local cache; pass a local folder or .gguf file") from None
+    except Exception as error:  # huggingface-hub raises many types (404, gated repo, auth, HTTP)
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
+        raise UserError(f"--model {repo_id}: cannot download it from the Hugging Face hub: {reason}") from None
+
+
+def read_config(ref: ModelRef) -> dict:
+    """The model's configuration (config.json, or the HF-style config of a GGUF file's metadata)."""
+    if ref.is_gguf:
+        from .gguf import config_from_gguf
+
+        return config_from_gguf(ref.path)
+    path = ref.path / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise UserError(f"--model {ref.name}: config.json is not valid JSON ({error})") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise UserError(f"--model {ref.name}: config.json has no 'model_type'; is this a model folder?")
+    return config
+
+
+def original_window(config: dict, ref: ModelRef | None = None) -> int | None:
+    """The window the model was pre-trained with: the alias's, else rope_scaling's
+    original_max_position_embeddings, else max_position_embeddings (or its older names); None when unknown."""
+    if ref is not None and ref.window:
+        return ref.window
+    scaling = config.get("rope_scaling") or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    maximum = config.get("max_position_embeddings")
+    if kind == "linear" and "original_max_position_embeddings" not in scaling and isinstance(maximum, int):
+        return int(round(maximum / float(scaling.get("factor", 1.0))))  # PI: max = factor * original
+    for value in (scaling.get("original_max_position_embeddings"), config.get("original_max_position_embeddings"),
+                  config.get("max_position_embeddings"), config.get("n_positions"), config.get("seq_length")):
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def model_classes(config: dict):
+    """(Model, ModelArgs) of mlx-lm's module for `config["model_type"]` (its public remapping tables applied)."""
+    from mlx_lm.utils import MODEL_ARCHITECTURE_REMAPPING, MODEL_REMAPPING
+
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str):
+        raise UserError("the model config has no 'model_type'")
+    architectures = config.get("architectures") or ()
+    for architecture in [architectures] if isinstance(architectures, str) else architectures:
+        if (model_type, architecture) in MODEL_ARCHITECTURE_REMAPPING:
+            model_type = MODEL_ARCHITECTURE_REMAPPING[(model_type, architecture)]
+            break
+    else:
+        model_type = MODEL_REMAPPING.get(model_type, model_type)
+    try:
+        module = importlib.import_module(f"mlx_lm.models.{model_type}")
+    except ImportError:
+        raise UserError(f"model type {model_type!r} is not supported by this mlx-lm version") from None
+    return module.Model, module.ModelArgs
+
+
+def build_model(config: dict, seed: int | None = None):
+    """mlx-lm's model for `config`, freshly initialised (after `mx.random.seed(seed)` when given); lazy arrays
+    until evaluated, so building even a large model only to inspect its layers is cheap."""
+    import mlx.core as mx
+
+    model_cls, args_cls = model_classes(config)
+    if seed is not None:
+        mx.random.seed(seed)
+    return model_cls(args_cls.from_dict(config))
+
+
+def quiet_transformers() -> None:
+    """Quiet transformers' notices and warnings while models load (set TRANSFORMERS_VERBOSITY to see them; under
+    mlx.launch they would print once per rank): the variable is read at import, and transformers is often
+    imported (by mlx_lm) before this runs, so it is set directly too."""
+    import os
+    import sys
+
+    if "TRANSFORMERS_VERBOSITY" not in os.environ:
+        os.environ["TRANSFORMERS_VERBOSITY"] = "error"  # no "PyTorch was not found" notice
+        if "transformers" in sys.modules:  # e.g. "Unrecognized keys in `rope_parameters`"
+            sys.modules["transformers"].logging.set_verbosity_error()
+
+
+def load(ref: ModelRef | str | Path, *, return_config: bool = False, apply_schedule: bool = True):
+    """(model, tokenizer) of `ref` - like `mlx_lm.load`, plus (with `return_config`) the config dict -, the
+    schedule in a folder's pose_mlx.json re-applied unless `apply_schedule=False` (then the model is exactly
+    what its config.json describes)."""
+    quiet_transformers()
+    if not isinstance(ref, ModelRef):
+        ref = resolve(str(ref))
+    if ref.is_gguf:
+        from .gguf import load_gguf
+
+        model, tokenizer, config = load_gguf(ref.path)
+        return (model, tokenizer, config) if return_config else (model, tokenizer)
+    if not any((ref.path / name).exists() for name in TOKENIZER_FILES):
+        raise UserError(f"--model {ref.name}: no tokenizer files (expected one of {', '.join(TOKENIZER_FILES)}); "
+                        "copy them from the base model")
+    config = read_config(ref)
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    try:
+        model, config = load_model(ref.path, get_model_classes=model_classes)
+        tokenizer = load_tokenizer(ref.path, eos_token_ids=config.get("eos_token_id"))
+    except UserError:
+        raise
+    except (OSError, ValueError, RuntimeError, KeyError) as error:  # missing/corrupt weights or tokenizer files
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        raise UserError(f"--model {ref.name}: cannot load it ({type(error).__name__}: {reason})") from None
+    if apply_schedule and (ref.path / SCHEDULE_FILE).is_file():
+        from .patch import apply_saved_extension
+
+        apply_saved_extension(model, ref.path / SCHEDULE_FILE)
+    return (model, tokenizer, config) if return_config else (model, tokenizer)
+
+
+__all__ = ["ALIASES", "ModelRef", "SCHEDULE_FILE", "TOKENIZER_FILES", "build_model", "describe_aliases", "load",
+           "model_classes", "original_window", "quiet_transformers", "read_config", "resolve"]

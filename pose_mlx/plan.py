@@ -1,0 +1,247 @@
+"""The plan of a fine-tuning run: its settings resolved against the model's configuration (no weights are read)
+and every check that can be made before loading anything.
+
+- lengths: `original` (settings, alias, or the config), `target` (the length grammar, `8x` = 8 * original),
+  the training `window` (default: original); target > original >= 2, 2 <= window <= target, chunks <= window;
+- the model: enough transformer blocks for `--lora-layers`;
+- the output: `<output>` and its run folder `<output>.partial` may be written without destroying anything that
+  pose_mlx did not write: never the model or data folder, a parent of them, or a folder inside the data (it would
+  be read as training data); `--overwrite` only replaces folders that hold pose_mlx's own metadata;
+- one run at a time per output: a lock file `.<output>.lock` (pid and host) is taken for the whole run; a lock
+  left by a process that died is taken over with a message; temporary files a killed run left are removed;
+- the run folder is claimed: a new run starts it afresh with the settings in run.json; a resumed one must have
+  as many ranks (`mlx.launch -n`) as the run it continues.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .model import source
+from .training.distributed import World, init as init_world
+from .errors import UserError
+from .lengths import parse_length
+from .training.lora import LoraSpec
+from .settings import RUN_FILE, Invocation, RunSettings, run_folder, save_run_file, saved_world_size
+
+FINISHED_MARK = source.SCHEDULE_FILE  # a finished output holds pose_mlx.json
+UNFINISHED_MARK = RUN_FILE  # a run folder holds run.json
+
+
+@dataclass
+class RunPlan:
+    settings: RunSettings
+    model: source.ModelRef
+    config: dict
+    original: int
+    target: int
+    window: int
+    output: Path
+    partial: Path
+    resume: bool
+    overwrite: bool
+    world: World
+    lora: LoraSpec | None
+    lock: Path | None = None
+
+    @property
+    def example_length(self) -> int:
+        """Tokens per training sequence: the target for full-length fine-tuning, else the window."""
+        return self.target if self.settings.sampler == "full" else self.window
+
+    def release(self, failed: bool = False) -> None:
+        """Give up the output's lock (a no-op for ranks other than 0 and after a release). After a failure, a run
+        folder this run created that holds no checkpoint yet is removed: bad data leaves nothing behind."""
+        if self.lock is None:
+            return
+        if failed and not self.resume and not (self.partial / "checkpoint" / "state.json").exists():
+            shutil.rmtree(self.partial, ignore_errors=True)
+        self.lock.unlink(missing_ok=True)
+        self.lock = None
+
+
+def make_plan(invocation: Invocation) -> RunPlan:
+    """Resolve and check everything about the run that needs no weights; takes the output's lock."""
+    s = invocation.settings
+    ref = source.resolve(s.model)
+    config = source.read_config(ref)
+    original = s.original or source.original_window(config, ref)
+    if original is None:
+        raise UserError("the model config has neither rope_scaling.original_max_position_embeddings nor "
+                        "max_position_embeddings; pass --original")
+    target = parse_length(s.target, original, "--target")
+    if target <= original:
+        raise UserError(f"--target {target} must be larger than the original window {original}")
+    if s.sampler != "none" and not s.data:
+        raise UserError("--data is required unless --sampler none")
+    _warn_about_scaling(s, config, original, target)
+    window = s.window or original
+    if window > target:
+        raise UserError(f"--window {window} must be at most the target {target}")
+    if s.sampler in ("pose", "pose-ref") and s.chunks > window:
+        raise UserError(f"--chunks {s.chunks} must be at most the window {window} (each chunk holds a token)")
+    lora = None if s.full or s.sampler == "none" else _lora_spec(s, config)
+    output = Path(s.output).expanduser() if s.output else Path(f"{ref.path.stem if ref.is_gguf else ref.path.name}"
+                                                                f"-{s.sampler}-{target}")
+    plan = RunPlan(s, ref, config, original, target, window, output, run_folder(output), invocation.resume,
+                   invocation.overwrite, init_world(), lora)
+    _check_places(plan)
+    _check_existing(plan)
+    plan.world.barrier()  # every rank has checked the folders before rank 0 changes them
+    if plan.world.is_main:
+        plan.lock = take_lock(output)
+        _remove_leftovers(plan)
+        if s.sampler != "none":
+            _claim_run_folder(plan)
+    plan.world.barrier()  # no rank goes on before rank 0 has claimed the folders
+    return plan
+
+
+def _claim_run_folder(plan: RunPlan) -> None:
+    """A fresh run folder holding run.json, or (on --resume) the interrupted one if its rank count matches."""
+    if plan.resume:
+        ranks = saved_world_size(plan.partial)
+        if ranks != plan.world.size:
+            raise UserError(f"--resume: the interrupted run had {ranks} ranks (mlx.launch -n), this one has "
+                            f"{plan.world.size}; its batches cannot be continued with another count")
+    else:
+        shutil.rmtree(plan.partial, ignore_errors=True)
+        plan.partial.mkdir(parents=True)
+    save_run_file(plan.settings, plan.partial, plan.world.size)
+
+
+def _warn_about_scaling(s: RunSettings, config: dict, original: int, target: int) -> None:
+    """Double scaling (the model already scales its RoPE) and a factor that is not target / original."""
+    if config.get("rope_scaling"):
+        print(f"warning: the model already applies rope_scaling {config['rope_scaling']}; it is replaced by "
+              f"'{s.schedule}' computed from the raw base, not compounded", file=sys.stderr)
+    factor = s.schedule_params.get("factor")
+    if factor is not None and abs(float(factor) - target / original) > 1e-9 * target / original:
+        print(f"warning: scaling factor {factor} differs from target/original = {target}/{original} = "
+              f"{target / original:g}", file=sys.stderr)
+
+
+def _lora_spec(s: RunSettings, config: dict) -> LoraSpec:
+    blocks = config.get("num_hidden_layers") or config.get("n_layer") or config.get("num_layers")
+    if isinstance(blocks, int) and s.lora_layers > blocks:
+        raise UserError(f"--lora-layers {s.lora_layers} must be between 1 and the model's {blocks} blocks "
+                        "(or -1 for all)")
+    hidden = config.get("hidden_size") or config.get("n_embd")
+    if isinstance(hidden, int) and s.lora_rank > hidden:
+        raise UserError(f"--lora-rank {s.lora_rank} must be at most the model's hidden size {hidden}")
+    layers = blocks if s.lora_layers < 0 and isinstance(blocks, int) else s.lora_layers
+    return LoraSpec(rank=s.lora_rank, scale=s.lora_scale, num_layers=int(layers))
+
+
+def _resolved(path) -> Path:
+    return Path(path).expanduser().resolve()
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def _check_places(plan: RunPlan) -> None:
+    """The output and its run folder never replace, contain or sit inside what the user gave us to read."""
+    model = _resolved(plan.model.path)
+    data = _resolved(plan.settings.data) if plan.settings.data and Path(plan.settings.data).expanduser().exists() \
+        else None
+    for place in (plan.output, plan.partial):
+        where = _resolved(place)
+        if _inside(model, where):
+            raise UserError(f"--output {plan.output}: {place} is or contains the model {plan.model.path}; "
+                            "choose another output folder")
+        if data is not None and (_inside(data, where) or _inside(where, data)):
+            raise UserError(f"--output {plan.output}: {place} is, contains or lies inside the data "
+                            f"{plan.settings.data} (it would be read as training data); choose another folder")
+
+
+def _ours(folder: Path, mark: str) -> bool:
+    """An empty folder, or one holding pose_mlx's own metadata file `mark`."""
+    return folder.is_dir() and (not any(folder.iterdir()) or (folder / mark).is_file())
+
+
+def _check_existing(plan: RunPlan) -> None:
+    """Refuse to touch finished or unfinished results unless asked to, and anything not ours even then."""
+    output, partial = plan.output, plan.partial
+    if output.exists() and not output.is_dir():
+        raise UserError(f"--output {output} is a file; choose a folder name")
+    if plan.resume:
+        if not partial.is_dir():
+            if output.is_dir() and (output / FINISHED_MARK).is_file():
+                raise UserError(f"output folder {output} is already complete; nothing to resume")
+            raise UserError(f"--resume: no unfinished run at {partial}")
+        return
+    if partial.exists() and not plan.overwrite:
+        raise UserError(f"{partial} holds an unfinished run; pass --resume to continue it or --overwrite "
+                        "to start over")
+    if output.exists() and not plan.overwrite:
+        raise UserError(f"output folder {output} exists; pass --overwrite to replace it or another --output")
+    for folder, mark in ((output, FINISHED_MARK), (partial, UNFINISHED_MARK)):
+        if folder.exists() and not _ours(folder, mark):
+            raise UserError(f"--overwrite: {folder} was not written by pose_mlx (no {mark}); it is left alone - "
+                            "choose another --output or remove it yourself")
+
+
+# ----------------------------------------------------------------------------------------------- the lock
+
+
+def lock_path(output: Path) -> Path:
+    return output.with_name(f".{output.name}.lock")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def take_lock(output: Path) -> Path:
+    """Create `.<output>.lock` holding this process's pid and host; refuse while another live run holds it."""
+    path = lock_path(output)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    me = {"pid": os.getpid(), "host": socket.gethostname()}
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                holder = json.loads(path.read_text() or "{}")
+            except (OSError, json.JSONDecodeError):
+                holder = {}
+            pid, host = holder.get("pid"), holder.get("host")
+            if host == me["host"] and isinstance(pid, int) and not _alive(pid):
+                print(f"warning: taking over the lock {path} left by process {pid}, which is no longer running",
+                      file=sys.stderr)
+                path.unlink(missing_ok=True)
+                continue
+            raise UserError(f"another run (pid {pid} on {host}) is writing {output}; wait for it to finish, or "
+                            f"delete {path} if that run is gone") from None
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+        return path
+    raise UserError(f"cannot take the lock {path}; another run keeps taking it")
+
+
+def _remove_leftovers(plan: RunPlan) -> None:
+    """Temporary folders and files that a killed run on this output left behind (we hold the lock)."""
+    parent = plan.output.parent
+    for pattern in (f".{plan.output.name}.export-*", f".{plan.output.name}.old-*"):
+        for leftover in parent.glob(pattern):
+            shutil.rmtree(leftover, ignore_errors=True)
+    if plan.partial.is_dir():
+        for leftover in list(plan.partial.glob(".*.tmp*")) + list((plan.partial / "checkpoint").glob(".*.tmp*")):
+            leftover.unlink(missing_ok=True)
+
+
+__all__ = ["RunPlan", "lock_path", "make_plan", "take_lock"]
