@@ -1,4 +1,4 @@
-"""Vectorised rotary-angle histograms / DPRoPE factors vs a straightforward Python loop (issue 5).
+"""Vectorised rotary-angle histograms / DPRoPE factors vs a straightforward Python loop.
 
 Setting: d = 128 (64 frequency pairs), b = 1e4, Lc = 4096, Lt = 131072, 360 bins. DPRoPE needs three
 histogram sets (pre-training at Lc, extrapolation and interpolation at Lt). The loop version walks every

@@ -1,4 +1,4 @@
-"""PI's interpolation bound and the extrapolation sum B(s) (seed 003, Theorem 2.1). Runtime < 1 s."""
+"""PI's interpolation bound and the extrapolation sum B(s) (Chen et al., arXiv 2306.15595, Theorem 2.1). Runtime < 1 s."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""Granularity constants of PI vs ABF (seed 001, Theorem 1). Runtime < 1 s."""
+"""Granularity constants of PI vs ABF (Xiong et al., arXiv 2309.16039, Theorem 1). Runtime < 1 s."""
 
 import numpy as np
 import pytest

@@ -145,3 +145,21 @@ def test_stopped_ranks_report_once(tiny_model, text_dir, tmp_path):
     assert stderr.count("stopped: interrupted by SIGTERM") == 1, stderr
     state = __import__("json").loads((tmp_path / "out.partial" / "checkpoint" / "state.json").read_text())
     assert state["step"] == len(read_log(log)) < 400
+
+
+def test_weighted_mean_with_unequal_counts(tmp_path):
+    """Two ranks holding 3 and 1 target tokens: sum_r n_r x_r / sum_r n_r, not the plain mean of the ranks."""
+    script = tmp_path / "mean.py"
+    script.write_text(
+        "import pose_mlx, mlx.core as mx\n"
+        "from pose_mlx.training.distributed import init\n"
+        "world = init()\n"
+        "count = mx.array([3.0, 1.0][world.rank])\n"
+        "value = {'a': mx.array([[2.0, 4.0], [10.0, 0.0]][world.rank])}\n"
+        "mean = world.weighted_mean(value, count)['a'].tolist()\n"
+        "print(f'rank {world.rank} {mean[0]:.6f} {mean[1]:.6f} {world.all_sum(count).item():.1f}')\n")
+    proc = subprocess.run([LAUNCH, "-n", "2", "--backend", "ring", "--", sys.executable, str(script)],
+                          capture_output=True, text=True, timeout=120)
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
+    # (3 * [2, 4] + 1 * [10, 0]) / 4 = [4, 3] on both ranks; the plain mean of the ranks would be [6, 2]
+    assert lines == ["rank 0 4.000000 3.000000 4.0", "rank 1 4.000000 3.000000 4.0"], proc.stdout + proc.stderr

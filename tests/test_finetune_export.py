@@ -70,7 +70,7 @@ def test_mlx_lm_load_reproduces_schedule(tiny_model, tmp_path, name):
 
 
 def test_ntk_and_abf_export_as_rope_theta(tiny_model, tmp_path):
-    """Static NTK: theta' = b * s^(d/(d-2)) (d = head dim); ABF (paper 001): theta' = beta * b; no rope_scaling."""
+    """Static NTK: theta' = b * s^(d/(d-2)) (d = head dim); ABF (Xiong et al., arXiv 2309.16039): theta' = beta * b; no rope_scaling."""
     base = json.loads((tiny_model / "config.json").read_text())["rope_theta"]
     _export(_extended(tiny_model, "ntk", {}), tiny_model, tmp_path / "ntk")
     config = json.loads((tmp_path / "ntk" / "config.json").read_text())

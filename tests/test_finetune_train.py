@@ -56,10 +56,13 @@ def test_parse_param():
         parse_param("novalue")
 
 
-@pytest.mark.parametrize("lr, warmup, steps", [(1e-3, 4, 12), (2e-5, 10, 1000), (1.0, 0, 5), (1.0, 1, 5)])
+@pytest.mark.parametrize("lr, warmup, steps", [(1e-3, 4, 12), (2e-5, 10, 1000), (1.0, 0, 5), (1.0, 1, 5),
+                                             (1.0, 5, 5), (1.0, 10, 5), (1.0, 3, 1)])
 def test_learning_rate_schedule(lr, warmup, steps):
-    """Update k gets lr*(k+1)/warmup during warm-up, then lr*(steps-k)/(steps-warmup): never 0, peak lr."""
+    """Update k gets lr*(k+1)/warmup during warm-up, then lr*(steps-k)/(steps-warmup): never 0, peak lr. A warm-up
+    of at least `steps` updates is cut to steps - 1, so the last update still reaches the peak."""
     schedule = learning_rate_schedule(lr, warmup, steps)
+    warmup = min(warmup, steps - 1)
     for k in range(steps):
         expected = lr * (k + 1) / warmup if k < warmup else lr * (steps - k) / (steps - warmup)
         assert math.isclose(float(schedule(mx.array(k))), expected, rel_tol=1e-4, abs_tol=1e-6 * lr), k
@@ -217,3 +220,25 @@ def test_compiled_update_equals_eager(grad_accum, checkpoint, lora):
         assert [t for _, _, t in other] == [t for _, _, t in eager] == [2 * 15 * grad_accum] * 6
         for name, value in w_eager.items():
             np.testing.assert_allclose(np.array(w_other[name]), np.array(value), atol=1e-5, rtol=0, err_msg=name)
+
+
+def test_loss_depends_on_position_ids_only_through_relative_distances():
+    """The training loss sees the position ids: a skip inside the window changes it, shifting every id by the same
+    amount does not (RoPE is relative), and a model whose positions are ignored would fail both."""
+    from pose_mlx import extend, use_positions
+    from pose_mlx.model.source import build_model
+    from pose_mlx.toy import model_config
+    from pose_mlx.training.data import collate
+    from pose_mlx.training.loop import probe_loss
+
+    model = build_model(model_config(64, hidden_size=32, num_layers=2, num_heads=4), seed=2)
+    extend(model, "linear", 16, 128)
+    tokens = np.random.default_rng(5).integers(3, 64, size=17).astype(np.int32)
+    ones = np.ones(16, dtype=np.float32)
+
+    def loss(positions):
+        return probe_loss(model, collate([(tokens, np.asarray(positions), ones)], [0]), use_positions)
+
+    contiguous = loss(np.arange(17))
+    assert loss(np.arange(17) + 40) == pytest.approx(contiguous, abs=1e-5)
+    assert abs(loss(np.concatenate([np.arange(8), np.arange(9) + 60])) - contiguous) > 1e-4

@@ -1,4 +1,4 @@
-"""Position samplers (issue 2, part 3): properties (hypothesis) and distributions against the PoSE paper.
+"""Position samplers: properties (hypothesis) and distributions against the PoSE paper.
 
 References written here, independent of the implementation: eqs. (3)-(5) of the PoSE paper (chunk positions
 u_i + st_i .., content x[v_i + st_i : ..]), the sequential draws of its Figure 6 code, the authors' released

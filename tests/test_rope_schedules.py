@@ -150,7 +150,7 @@ def test_yarn_attention_factor_params():
 def test_abf_default_and_beta():
     d, base = 128, 1e4
     inv, att = scaled_inv_freq("abf", d, base, 4.0, 4096)
-    np.testing.assert_allclose(inv, theta(d, base * 50), rtol=1e-12)  # paper 001 trains with beta = 50
+    np.testing.assert_allclose(inv, theta(d, base * 50), rtol=1e-12)  # Xiong et al. (arXiv 2309.16039) train with beta = 50
     assert att == 1.0
     inv, _ = scaled_inv_freq("abf", d, base, 4.0, 4096, beta=2.5)
     np.testing.assert_allclose(inv, theta(d, 25_000.0), rtol=1e-12)

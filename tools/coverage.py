@@ -132,7 +132,7 @@ def plot_helices(args, out: Path) -> None:
         ax.set_ylabel("Im f_0", fontsize=7)
         ax.set_zlabel("Re f_j", fontsize=7)
         ax.tick_params(labelsize=6)
-    fig.suptitle(f"Seed 001 Fig. 8 analogue: x=cos t, y=sin t, z=sin(a t); PI scales t by alpha={args.alpha:g}, "
+    fig.suptitle(f"Fig. 8 of Xiong et al. (arXiv 2309.16039), analogue: x=cos t, y=sin t, z=sin(a t); PI scales t by alpha={args.alpha:g}, "
                  "ABF doubles a", fontsize=9)
     fig.savefig(out / "helices.png", dpi=110)
     plt.close(fig)

@@ -1,4 +1,4 @@
-"""Simulator settings: the default (full) run, sized from DESIGN.md's feasibility run, and `--quick`."""
+"""Simulator settings: the default (full) run, sized by a feasibility run on two CPU cores, and `--quick`."""
 
 from __future__ import annotations
 
