@@ -4,7 +4,8 @@ folder's run.json), type-checked and validated once, saved in run.json, read by 
 Sources, later ones winning: the defaults of `RunSettings`, the YAML file of `--config` (keys are the settings'
 names, the flags' names with `-` or `_`, or mlx-lm's names for the same things), the flags given on the command
 line. With `--resume`, run.json replaces the defaults and the YAML file, and a flag that would change the run's
-meaning is refused (only `ADJUSTABLE` settings may change; `--steps` may only grow).
+meaning is refused (only `ADJUSTABLE` settings may change; a new `--steps` stretches or shortens the linear decay
+of the learning rate from the step reached on).
 
 Vocabulary: the two context lengths are `original` (the window the model was pre-trained with) and `target`
 (the one it is extended to); `window` is the training window (default: original); `sampler` says how position ids
@@ -105,7 +106,7 @@ _HELP = {
     "lora_layers": "LoRA in the last N transformer blocks (default -1: all)",
     "lora_scale": "LoRA output scale (mlx-lm's 'scale', default 20)",
     "lr": "peak learning rate of AdamW (default 2e-5)",
-    "steps": "optimizer updates (default 1000); with --resume it may be raised to train longer",
+    "steps": "optimizer updates (default 1000); with --resume it may be changed, e.g. raised to train longer",
     "batch_size": "sequences per micro-batch (per rank under mlx.launch; default 1)",
     "grad_accum": "micro-batches per update (default 1)",
     "warmup": "linear warm-up updates, then linear decay to 0 (default 10)",
@@ -311,10 +312,13 @@ def _yaml_entry(path, key: str, value) -> dict:
         return out
     if name in _NEGATED:
         return {_NEGATED[name]: not _check_type(path, key, value, bool)}
+    if name in ("resume", "overwrite"):  # what to do with an existing run folder: strictly a YAML boolean
+        return {name: _check_type(path, key, value, bool)}
     name = _KEY_ALIASES.get(name, name)
     kinds = {f.name: f.type for f in fields(RunSettings)}
     if name not in kinds:
-        known = sorted(set(kinds) | set(_KEY_ALIASES) | set(_NEGATED) | {"lora_parameters", "fine_tune_type"})
+        known = sorted(set(kinds) | set(_KEY_ALIASES) | set(_NEGATED) |
+                       {"lora_parameters", "fine_tune_type", "resume", "overwrite"})
         close = difflib.get_close_matches(name, known, n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
         raise UserError(f"--config {path}: unknown key {key!r}{hint}")
@@ -354,10 +358,12 @@ def parse_invocation(argv=None) -> Invocation:
     parser = build_parser()
     given = _from_flags(parser.parse_args(argv))
     config = given.pop("config", None)
-    resume, overwrite = given.pop("resume", False), given.pop("overwrite", False)
+    from_yaml = read_yaml(config) if config else {}
+    resume = bool(given.pop("resume", from_yaml.pop("resume", False) or False))
+    overwrite = bool(given.pop("overwrite", from_yaml.pop("overwrite", False) or False))
+    from_yaml.pop("resume", None), from_yaml.pop("overwrite", None)
     if resume and overwrite:
         raise UserError("--resume and --overwrite exclude each other")
-    from_yaml = read_yaml(config) if config else {}
     if resume:
         settings = _resume_settings({**from_yaml, **given})
     else:
@@ -387,6 +393,8 @@ def _resume_settings(given: dict) -> RunSettings:
     if not given.get("output"):
         raise UserError("--resume needs --output (the folder the interrupted run was writing)")
     path = run_folder(given["output"]) / RUN_FILE
+    if not path.is_file() and (Path(given["output"]) / "pose_mlx.json").is_file():
+        raise UserError(f"output folder {given['output']} is already complete; nothing to resume")
     saved = load_run_file(path)
     changed = {k: (getattr(saved, k), v) for k, v in given.items() if k != "output" and getattr(saved, k) != v}
     refused = {k: pair for k, pair in changed.items() if k not in ADJUSTABLE}
@@ -394,8 +402,6 @@ def _resume_settings(given: dict) -> RunSettings:
         listing = "; ".join(f"--{k.replace('_', '-')} was {old!r}, now {new!r}" for k, (old, new) in refused.items())
         raise UserError(f"--resume: these flags would change the interrupted run: {listing} (drop them, or start "
                         "a new run with --overwrite)")
-    if "steps" in changed and changed["steps"][1] < changed["steps"][0]:
-        raise UserError(f"--resume: --steps may only be raised (the run was set to {changed['steps'][0]})")
     for key, (_, new) in changed.items():
         setattr(saved, key, new)
     return saved

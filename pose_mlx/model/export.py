@@ -242,9 +242,11 @@ def export_run(model: nn.Module, extension: Extension, plan, summary: dict) -> P
               "pose_mlx.load(path) (plain mlx_lm.load gets the closest config)", file=sys.stderr)
     if summary:
         eval_loss = f"{summary['eval_loss']:.4f}" if summary.get("eval_loss") is not None else "none"
+        peak = summary["peak_memory_gb"]
+        peak = f"{peak:.2f} GB" if peak >= 1 else f"{peak * 1024:.0f} MB"
         print(f"trained {summary['steps']} steps, {summary['tokens']:,} tokens in {summary['seconds']:.0f} s; final "
-              f"loss {summary['final_loss']:.4f}, last eval loss {eval_loss}, peak memory "
-              f"{summary['peak_memory_gb']:.2f} GB; wrote {plan.output}", file=sys.stderr)
+              f"loss {summary['final_loss']:.4f}, last eval loss {eval_loss}, peak memory {peak}; wrote "
+              f"{plan.output}", file=sys.stderr)
     else:
         print(f"wrote {plan.output} (no training: --sampler none)", file=sys.stderr)
     return plan.output

@@ -365,6 +365,7 @@ def tokenize_corpus(source, tokenizer, cache_dir, min_length: int, bos: bool = T
     if (folder / "meta.json").is_file():
         return TokenizedCorpus.open(folder)
 
+    created = not cache_dir.exists()
     cache_dir.mkdir(parents=True, exist_ok=True)
     temp = cache_dir / f".{fingerprint}.tmp-{os.getpid()}"
     shutil.rmtree(temp, ignore_errors=True)
@@ -387,6 +388,8 @@ def tokenize_corpus(source, tokenizer, cache_dir, min_length: int, bos: bool = T
                 raise
     finally:
         shutil.rmtree(temp, ignore_errors=True)
+        if created and not folder.exists() and not any(cache_dir.iterdir()):
+            cache_dir.rmdir()  # a failed first use leaves no empty cache folder behind
     return TokenizedCorpus.open(folder)
 
 

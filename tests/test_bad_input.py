@@ -1,0 +1,226 @@
+"""A sweep of bad inputs across every command, as a new user would make them: each ends with exactly one line on
+stderr (`<command>: error: ...` naming what is wrong), exit code 2, no traceback, and nothing written."""
+
+import errno
+import json
+import shutil
+
+import pytest
+
+from _finetune_helpers import text_dir, tiny_model  # noqa: F401
+from pose_mlx import demo, finetune, passkey, perplexity
+
+DEFAULT = ["--window", "16", "--steps", "3", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def place(tiny_model, text_dir, tmp_path_factory):
+    """Broken things to point the commands at, built once."""
+    root = tmp_path_factory.mktemp("broken")
+    bad_json = shutil.copytree(tiny_model, root / "bad-json")
+    (bad_json / "config.json").write_text("{not json")
+    no_type = shutil.copytree(tiny_model, root / "no-type")
+    config = json.loads((no_type / "config.json").read_text())
+    del config["model_type"]
+    (no_type / "config.json").write_text(json.dumps(config))
+    torn = shutil.copytree(tiny_model, root / "torn-weights")
+    weights = torn / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: 200])
+    no_tok = shutil.copytree(tiny_model, root / "no-tokenizer")
+    for f in no_tok.glob("tokenizer*"):
+        f.unlink()
+    (root / "empty").mkdir()
+    (root / "file.bin").write_bytes(b"\x00\x01")
+    unreadable = root / "unreadable"
+    unreadable.mkdir()
+    (unreadable / "a.txt").write_bytes(b"")
+    (unreadable / "b.txt").write_bytes(bytes(range(256)))
+    jsonl = root / "bad.jsonl"
+    jsonl.write_text('{"text": "fine"}\n{"text": \n')
+    wrong_field = root / "wrong.jsonl"
+    wrong_field.write_text('{"body": "no text field"}\n')
+    yaml = {name: root / f"{name}.yaml" for name in ("unknown", "bool", "number", "list", "binary", "lora")}
+    yaml["unknown"].write_text(f"model: {tiny_model}\ntarget: 4x\nstepz: 3\n")
+    yaml["bool"].write_text(f"model: {tiny_model}\ntarget: 4x\ngrad_checkpoint: 'yes'\n")
+    yaml["number"].write_text(f"model: {tiny_model}\ntarget: 4x\nlr: fast\n")
+    yaml["list"].write_text("- model\n- target\n")
+    yaml["binary"].write_bytes(b"\xff\xfe\x00bad")
+    yaml["lora"].write_text(f"model: {tiny_model}\ntarget: 4x\nlora_parameters: {{rank: 8, dropout: 0.1}}\n")
+    short = root / "short.txt"
+    short.write_text("The sky is blue.")
+    run = root / "damaged-run"
+    (run.parent / "damaged-run.partial").mkdir()
+    (run.parent / "damaged-run.partial" / "run.json").write_text("{torn")
+    gpt2 = root / "gpt2"
+    from pose_mlx import toy
+    from pose_mlx.model.source import build_model
+
+    cfg = {"model_type": "gpt2", "n_embd": 16, "n_head": 2, "n_layer": 1, "n_positions": 64, "n_ctx": 64,
+           "vocab_size": 512, "layer_norm_epsilon": 1e-5}
+    toy.save_model_folder(build_model(cfg, seed=0), cfg, toy.copy_tokenizer(tiny_model, root / "tok"), gpt2)
+    return {"model": tiny_model, "data": text_dir, "root": root, "bad-json": bad_json, "no-type": no_type,
+            "torn": torn, "no-tok": no_tok, "empty": root / "empty", "bin": root / "file.bin",
+            "unreadable": unreadable, "jsonl": jsonl, "wrong": wrong_field, "short": short, "run": run,
+            "gpt2": gpt2, **{f"yaml-{k}": v for k, v in yaml.items()}}
+
+
+def _ft(*args):
+    return finetune.main, ["--output", "{out}/o", "--cache-dir", "{out}/cache", *args]
+
+
+def _ev(module, *args):
+    return module.main, [*args]
+
+
+# (id, command, argv with {name} placeholders, what the line must name)
+CASES = [
+    ("ft-nothing", *_ft(), "--model is required"),
+    ("ft-no-target", *_ft("--model", "{model}"), "--target is required"),
+    ("ft-missing-model", *_ft("--model", "{root}/nowhere", "--target", "4x"), "no such folder or file"),
+    ("ft-unknown-alias", *_ft("--model", "llama-99b", "--target", "4x"), "not a known alias"),
+    ("ft-model-is-a-file", *_ft("--model", "{bin}", "--target", "4x"), "not a .gguf model"),
+    ("ft-no-config", *_ft("--model", "{empty}", "--target", "4x"), "no config.json"),
+    ("ft-bad-config-json", *_ft("--model", "{bad-json}", "--target", "4x", "--sampler", "none"), "not valid JSON"),
+    ("ft-config-no-type", *_ft("--model", "{no-type}", "--target", "4x", "--sampler", "none"), "model_type"),
+    ("ft-torn-weights", *_ft("--model", "{torn}", "--target", "4x", "--sampler", "none"), "cannot load it"),
+    ("ft-no-tokenizer", *_ft("--model", "{no-tok}", "--target", "4x", "--sampler", "none"), "no tokenizer files"),
+    ("ft-no-rope", *_ft("--model", "{gpt2}", "--target", "256", "--original", "64", "--sampler", "none"), "no RoPE"),
+    ("ft-absurd-target", *_ft("--model", "{model}", "--target", "1000000000000", "--sampler", "none"), "outside"),
+    ("ft-target-word", *_ft("--model", "{model}", "--target", "long", "--sampler", "none"), "not a length"),
+    ("ft-target-fraction", *_ft("--model", "{model}", "--target", "8.5", "--sampler", "none"), "whole number"),
+    ("ft-target-not-larger", *_ft("--model", "{model}", "--target", "1x", "--sampler", "none"), "must be larger"),
+    ("ft-seed-negative", *_ft("--model", "{model}", "--target", "4x", "--data", "{data}", "--seed", "-1"), "--seed"),
+    ("ft-lora-rank-float", *_ft("--model", "{model}", "--target", "4x", "--data", "{data}", "--lora-rank", "1e8"),
+     "--lora-rank"),
+    ("ft-lora-rank-huge", *_ft("--model", "{model}", "--target", "4x", "--data", "{data}", "--lora-rank",
+                               "100000000"), "--lora-rank"),
+    ("ft-lora-rank-over-hidden", *_ft("--model", "{model}", "--target", "4x", "--data", "{data}", "--lora-rank",
+                                      "64"), "hidden size"),
+    ("ft-lora-layers-negative", *_ft("--model", "{model}", "--target", "4x", "--data", "{data}", "--lora-layers",
+                                     "-5"), "--lora-layers"),
+    ("ft-min-length-negative", *_ft("--model", "{model}", "--target", "4x", "--data", "{data}", "--min-length",
+                                    "-5"), "--min-length"),
+    ("ft-lr-inf", *_ft("--model", "{model}", "--target", "4x", "--data", "{data}", "--lr", "inf"), "--lr"),
+    ("ft-lr-nan", *_ft("--model", "{model}", "--target", "4x", "--data", "{data}", "--lr", "nan"), "--lr"),
+    ("ft-lr-negative", *_ft("--model", "{model}", "--target", "4x", "--data", "{data}", "--lr", "-1"), "--lr"),
+    ("ft-steps-zero", *_ft("--model", "{model}", "--target", "4x", "--data", "{data}", "--steps", "0"), "--steps"),
+    ("ft-batch-zero", *_ft("--model", "{model}", "--target", "4x", "--data", "{data}", "--batch-size", "0"),
+     "--batch-size"),
+    ("ft-chunks-zero", *_ft("--model", "{model}", "--target", "4x", "--data", "{data}", "--chunks", "0"),
+     "--chunks"),
+    ("ft-chunks-over-window", *_ft("--model", "{model}", "--target", "4x", "--data", "{data}", "--window", "4",
+                                   "--chunks", "5"), "--chunks"),
+    ("ft-window-one", *_ft("--model", "{model}", "--target", "4x", "--data", "{data}", "--window", "1"),
+     "--window"),
+    ("ft-window-over-target", *_ft("--model", "{model}", "--target", "4x", "--data", "{data}", "--window", "999"),
+     "--window"),
+    ("ft-schedule-unknown", *_ft("--model", "{model}", "--target", "4x", "--sampler", "none", "--schedule",
+                                 "yarm"), "did you mean 'yarn'"),
+    ("ft-schedule-param-form", *_ft("--model", "{model}", "--target", "4x", "--sampler", "none",
+                                    "--schedule-param", "beta"), "key=value"),
+    ("ft-schedule-param-value", *_ft("--model", "{model}", "--target", "4x", "--sampler", "none", "--schedule",
+                                     "yarn", "--schedule-param", "beta_fast=0.5"), "beta_fast"),
+    ("ft-schedule-param-name", *_ft("--model", "{model}", "--target", "4x", "--sampler", "none",
+                                    "--schedule-param", "beta=2"), "unknown parameter 'beta'"),
+    ("ft-sampler-unknown", *_ft("--model", "{model}", "--target", "4x", "--sampler", "posse"), "--sampler"),
+    ("ft-content-unknown", *_ft("--model", "{model}", "--target", "4x", "--data", "{data}", "--content", "all"),
+     "--content"),
+    ("ft-unknown-flag", *_ft("--model", "{model}", "--target", "4x", "--stepz", "3"), "unrecognized arguments"),
+    ("ft-yaml-unknown-key", *_ft("--config", "{yaml-unknown}"), "did you mean 'steps'"),
+    ("ft-yaml-quoted-bool", *_ft("--config", "{yaml-bool}"), "grad_checkpoint must be true or false"),
+    ("ft-yaml-word-number", *_ft("--config", "{yaml-number}"), "lr must be a number"),
+    ("ft-yaml-not-mapping", *_ft("--config", "{yaml-list}"), "must hold a mapping"),
+    ("ft-yaml-binary", *_ft("--config", "{yaml-binary}"), "cannot read it"),
+    ("ft-yaml-missing", *_ft("--config", "{root}/none.yaml"), "no such file"),
+    ("ft-yaml-lora-dropout", *_ft("--config", "{yaml-lora}"), "dropout must be 0"),
+    ("ft-no-data", *_ft("--model", "{model}", "--target", "4x"), "--data is required"),
+    ("ft-data-missing", *_ft("--model", "{model}", "--target", "4x", "--data", "{root}/nowhere", *DEFAULT),
+     "no such file or folder"),
+    ("ft-data-unreadable", *_ft("--model", "{model}", "--target", "4x", "--data", "{unreadable}", *DEFAULT),
+     "no readable document"),
+    ("ft-data-bad-jsonl", *_ft("--model", "{model}", "--target", "4x", "--data", "{jsonl}", *DEFAULT),
+     "bad.jsonl:2: not valid JSON"),
+    ("ft-data-wrong-field", *_ft("--model", "{model}", "--target", "4x", "--data", "{wrong}", *DEFAULT),
+     "wrong.jsonl:1: expected a JSON object"),
+    ("ft-data-too-short", *_ft("--model", "{model}", "--target", "4x", "--data", "{short}", *DEFAULT),
+     "no document has"),
+    ("ft-heldout", *_ft("--model", "{model}", "--target", "4x", "--data", "{data}", "--heldout", "1.5"),
+     "--heldout"),
+    ("ft-resume-nothing", *_ft("--model", "{model}", "--target", "4x", "--data", "{data}", "--resume"),
+     "no unfinished run"),
+    ("ft-resume-damaged-run-json", finetune.main, ["--resume", "--output", "{run}"], "damaged"),
+    ("ft-resume-and-overwrite", *_ft("--model", "{model}", "--target", "4x", "--resume", "--overwrite"),
+     "exclude each other"),
+    ("ft-output-is-a-file", finetune.main, ["--model", "{model}", "--target", "4x", "--sampler", "none",
+                                            "--output", "{bin}"], "is a file"),
+    ("pk-missing-model", *_ev(passkey, "--model", "{root}/nowhere"), "no such folder or file"),
+    ("pk-bad-lengths", *_ev(passkey, "--model", "{model}", "--lengths", "2k,x"), "not a length"),
+    ("pk-too-short", *_ev(passkey, "--model", "{model}", "--lengths", "16"), "template"),
+    ("pk-trials-zero", *_ev(passkey, "--model", "{model}", "--trials", "0"), "--trials"),
+    ("pk-depths-zero", *_ev(passkey, "--model", "{model}", "--depths", "0"), "--depths"),
+    ("pk-chunk-zero", *_ev(passkey, "--model", "{model}", "--chunk", "0"), "--chunk"),
+    ("pk-seed-negative", *_ev(passkey, "--model", "{model}", "--seed", "-1"), "--seed"),
+    ("pk-schedule-without-target", *_ev(passkey, "--model", "{model}", "--schedule", "linear"), "--target"),
+    ("pk-target-shorter", *_ev(passkey, "--model", "{model}", "--schedule", "linear", "--target", "8"),
+     "shorter than the original window"),
+    ("pk-memory", *_ev(passkey, "--model", "{model}", "--lengths", "16000k"), "GiB"),
+    ("pk-no-tokenizer", *_ev(passkey, "--model", "{no-tok}"), "no tokenizer files"),
+    ("ppl-missing-data", *_ev(perplexity, "--model", "{model}", "--data", "{root}/nowhere", "--lengths", "64"),
+     "no such file or folder"),
+    ("ppl-stride-zero", *_ev(perplexity, "--model", "{model}", "--data", "{data}", "--stride", "0"), "--stride"),
+    ("ppl-docs-zero", *_ev(perplexity, "--model", "{model}", "--data", "{data}", "--docs", "0"), "--docs"),
+    ("ppl-too-short", *_ev(perplexity, "--model", "{model}", "--data", "{short}", "--lengths", "64"),
+     "no document has"),
+    ("ppl-bad-jsonl", *_ev(perplexity, "--model", "{model}", "--data", "{jsonl}", "--lengths", "64"),
+     "not valid JSON"),
+    ("demo-factor", *_ev(demo, "--out", "{out}/demo", "--factor", "1"), "--factor"),
+    ("demo-model", *_ev(demo, "--out", "{out}/demo", "--model", "{root}/nowhere"), "no config.json"),
+    ("demo-lr", *_ev(demo, "--out", "{out}/demo", "--lr", "0"), "--lr"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(place, tmp_path, capsys, monkeypatch, case):
+    name, main, argv, fragment = case
+    out = tmp_path / "work"
+    out.mkdir()
+    monkeypatch.chdir(out)  # a command that wrongly writes to the current folder is caught too
+    values = {k: str(v) for k, v in place.items()} | {"out": str(out)}
+    before = {p for p in place["root"].rglob("*")}
+    code = main([a.format(**values) for a in argv])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("warning:")]
+    assert code == 2, err
+    assert len(lines) == 1 and "Traceback" not in err and ": error: " in lines[0], err
+    assert fragment in lines[0], lines[0]
+    assert [p.name for p in out.iterdir()] == [], "something was written"
+    assert {p for p in place["root"].rglob("*")} == before
+
+
+def test_a_read_only_or_full_disk_is_one_line(tiny_model, tmp_path, capsys, monkeypatch):
+    """OSError for a full or read-only disk (or permission denied) is the user's environment: one line, exit 2."""
+    import pose_mlx.model.export as export
+
+    def full(*_args, **_kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "o"))
+
+    monkeypatch.setattr(export, "save_config", full, raising=False)
+    monkeypatch.setattr("mlx_lm.utils.save_config", full)
+    code = finetune.main(["--model", str(tiny_model), "--target", "4x", "--sampler", "none", "--output",
+                          str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("pose_mlx.finetune: error: No space left"), err
+    assert not (tmp_path / "o").exists()
+
+
+def test_other_exceptions_keep_their_traceback(tiny_model, tmp_path, monkeypatch):
+    """A bug is not a user error: it is not turned into one line."""
+    import pose_mlx.model.export as export
+
+    def bug(*_args, **_kwargs):
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(export, "export_config", bug)
+    with pytest.raises(ValueError, match="a bug"):
+        finetune.main(["--model", str(tiny_model), "--target", "4x", "--sampler", "none", "--output",
+                       str(tmp_path / "o")])
