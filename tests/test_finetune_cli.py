@@ -211,3 +211,70 @@ def test_qlora_on_a_4bit_base(tiny_model, text_dir, tmp_path, capsys):
     trained = _logits(split, ids)
     assert np.abs(trained - _logits(base, ids)).max() > 1e-3  # the adapters learned something
     assert np.isfinite(_logits(fused, ids)).all()
+
+
+def _mlx_lm_data(folder, text_dir):
+    """An mlx-lm data folder: train.jsonl (text), valid.jsonl (text), test.jsonl (a marker that must never be read)."""
+    folder.mkdir()
+    texts = sorted(p.read_text() for p in text_dir.glob("*.txt"))
+    (folder / "train.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[:8]))
+    (folder / "valid.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[8:10]))
+    (folder / "test.jsonl").write_text('{"broken": \n')  # not even JSON: reading it would fail the run
+    return folder
+
+
+def test_mlx_lm_data_folder_trains_on_train_and_evaluates_on_valid(tiny_model, text_dir, tmp_path, capsys):
+    """train.jsonl is the training set, valid.jsonl the held-out set of --eval-every, test.jsonl is never read."""
+    from pose_mlx.training.data import read_documents
+
+    data = _mlx_lm_data(tmp_path / "data", text_dir)
+    assert len(list(read_documents(data))) == 8 and len(list(read_documents(data, split="valid"))) == 2
+    out = tmp_path / "out"
+    code, err = run_cli(capsys, "--model", tiny_model, "--target", "4x", "--data", data, "--output", out,
+                        "--cache-dir", tmp_path / "c", "--eval-every", "2", "--eval-batches", "1", *FAST)
+    assert code == 0, err
+    log = read_log(out / "train_log.jsonl")
+    assert [("eval_loss" in r) for r in log] == [False, True, False, True]
+    meta = [json.loads(p.read_text()) for p in (tmp_path / "c").glob("*/meta.json")]
+    assert sorted(m["num_docs"] for m in meta) == [2, 8]  # valid and train, tokenized separately; no test
+
+
+def test_chat_and_completions_records_use_the_chat_template(tiny_model, tmp_path, capsys):
+    """mlx-lm's chat ({"messages"}) and completions ({"prompt", "completion"}) records are rendered with the
+    tokenizer's chat template before tokenization."""
+    import shutil
+
+    from pose_mlx.training.data import chat_renderer, read_documents
+
+    model = shutil.copytree(tiny_model, tmp_path / "chat-model")
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}")
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    _, tokenizer = load(str(model))
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                             {"role": "assistant", "content": "hello"}]}) + "\n"
+                    + json.dumps({"prompt": "2+2=", "completion": "4"}) + "\n")
+    docs = list(read_documents(data, render=chat_renderer(tokenizer)))
+    assert docs == ["<|user|>hi\n<|assistant|>hello\n", "<|user|>2+2=\n<|assistant|>4\n"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": [{"role": "user"}]}) + "\n")
+    with pytest.raises(Exception, match="bad.jsonl:1: 'messages' must be"):
+        list(read_documents(bad, render=chat_renderer(tokenizer)))
+
+
+def test_mlx_lm_yaml_keys_mean_the_same_here(tiny_model, text_dir, tmp_path, capsys):
+    """iters, learning_rate, batch_size, max_seq_length, num_layers, lora_parameters.rank/scale, fine_tune_type
+    and grad_accumulation_steps are read as this tool's settings; an unknown key is refused with a suggestion."""
+    from pose_mlx.settings import parse_invocation
+
+    cfg = tmp_path / "lora.yaml"
+    cfg.write_text(f"model: {tiny_model}\ntrain: true\ndata: {text_dir}\niters: 7\nlearning_rate: 1e-4\n"
+                   "batch_size: 2\nmax_seq_length: 16\nnum_layers: 1\ngrad_accumulation_steps: 3\n"
+                   "fine_tune_type: lora\nlora_parameters: {rank: 4, scale: 10.0, dropout: 0.0}\nsteps_per_eval: 5\n")
+    s = parse_invocation(["--config", str(cfg), "--target", "4x"]).settings
+    assert (s.steps, s.lr, s.batch_size, s.window, s.lora_layers, s.grad_accum) == (7, 1e-4, 2, 16, 1, 3)
+    assert (s.lora_rank, s.lora_scale, s.full, s.eval_every) == (4, 10.0, False, 5)
+    cfg.write_text(f"model: {tiny_model}\ntarget: 4x\nlearning_rat: 1e-4\n")
+    code, err = run_cli(capsys, "--config", cfg)
+    assert code == 2 and "did you mean 'learning_rate'" in err
