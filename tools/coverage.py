@@ -95,7 +95,7 @@ def plot_angles(args, out: Path) -> dict:
                  fontsize=10)
     _save(fig, out / "angle_histograms.png")
 
-    fig, ax = plt.subplots(figsize=(7, 3.8))
+    fig, ax = plt.subplots(figsize=(9, 3.8))
     idx = np.arange(len(theta))
     ax.semilogy(idx, kl["extrapolation"] + 1e-12, "o-", ms=3, label="KL, extrapolation")
     ax.semilogy(idx, kl["interpolation"] + 1e-12, "s-", ms=3, label="KL, interpolation")
@@ -103,9 +103,9 @@ def plot_angles(args, out: Path) -> dict:
     ax.scatter(idx[chosen], np.full(chosen.sum(), ax.get_ylim()[1] * 0.5), marker="v", color="C3",
                label=f"DPRoPE picks interpolation (x{s:g})")
     ax.set_xlabel("frequency pair i (theta_i = b^(-2i/d))")
-    ax.set_ylabel("KL(P_extended || P_pretrained)")
+    ax.set_ylabel("KL(P_pretrained || P_candidate)")
     ax.set_title("Per-dimension disturbance and DPRoPE's choice")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside the data
     _save(fig, out / "dprope_kl.png")
     record = {"scale": s, "factors": factors.tolist(), "kl_extrapolation": kl["extrapolation"].tolist(),
               "kl_interpolation": kl["interpolation"].tolist(), "bins": args.bins,
