@@ -18,8 +18,10 @@ NumPy/MLX shape is ``ne`` reversed. Block types store each row in blocks of B va
   x = d (q - 8).
 - Q4_1 (B=32, S=20): fp16 d, fp16 m, 16 bytes of q as in Q4_0; x = d q + m.
 
-These are MLX's affine quantization with group size 32 (scale d; bias -8d, m, and -128d on q + 128), which is
-how ``mx.load`` returns them (``name.weight`` packed in uint32, ``name.scales``, ``name.biases``).
+These are MLX's affine quantization with group size 32 (scale d; bias -8d, m, and -128d on q + 128): the
+blocks are repacked into MLX's layout (``weight`` as uint32, ``scales``, ``biases``) and either kept that way
+or dequantized with ``mx.dequantize``. Tensor bytes are read here, after the header was validated, not with
+``mx.load`` (whose own GGUF parser crashes on some valid files, e.g. one with a float64 metadata value).
 
 llama.cpp rotates the interleaved pairs (2i, 2i+1) of each head ("normal" RoPE) for the llama architecture,
 while Hugging Face checkpoints (and mlx-lm with ``rope_traditional=False``) rotate the pairs (i, i + d/2). Its
@@ -245,8 +247,8 @@ def _open_buffer(path: Path):
     if not path.is_file():
         raise UserError(f"{path}: not a file")
     size = path.stat().st_size
-    if size < 8:
-        raise UserError(f"{path}: truncated at byte {size}: a GGUF header needs at least 24 bytes")
+    if size < len(MAGIC):
+        raise UserError(f"{path}: truncated at byte {size}: too short for a GGUF header")
     with open(path, "rb") as f:
         return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
 
@@ -378,10 +380,10 @@ def config_from_gguf(path_or_header) -> dict:
                      "rotary embedding over an even head dimension is supported")
     if arch == "qwen2" and head_dim * heads != hidden:
         raise h.fail(f"head dimension {head_dim} x {heads} heads != hidden size {hidden} (mlx-lm's qwen2 needs it)")
-    eps = float(h.require(key("attention.layer_norm_rms_epsilon"), float))
+    eps = _decimal(h, key("attention.layer_norm_rms_epsilon"), h.require(key("attention.layer_norm_rms_epsilon"), float))
     if not eps > 0:
         raise h.fail(f"{key('attention.layer_norm_rms_epsilon')} must be positive, got {eps}")
-    theta = float(h.get(key("rope.freq_base"), 10000.0, float))
+    theta = _decimal(h, key("rope.freq_base"), h.get(key("rope.freq_base"), 10000.0, float))
     if not theta > 1:
         raise h.fail(f"{key('rope.freq_base')} must be > 1, got {theta}")
     context = _positive(h, key("context_length"))
@@ -424,6 +426,11 @@ def config_from_gguf(path_or_header) -> dict:
     return config
 
 
+def _decimal(h: Header, key: str, value) -> float:
+    """A float32 metadata value as the shortest decimal that rounds to it (1e-05, not 9.99999974738e-06)."""
+    return float(str(np.float32(value))) if h.value_types.get(key) == 6 else float(value)
+
+
 def _positive(h: Header, key: str, default: int | None = None) -> int:
     if default is not None and key not in h.metadata:
         return default
@@ -452,14 +459,15 @@ def _rope_scaling(h: Header, arch: str, head_dim: int, theta: float, context: in
         return None
     if factor <= 0:
         raise h.fail(f"{arch}.rope.scaling.factor must be positive, got {factor}")
+    factor = float(str(np.float32(factor)))
     if kind == "linear":
-        return {"type": "linear", "factor": float(factor)}
+        return {"type": "linear", "factor": factor}
     if kind == "yarn":
-        scaling = {"type": "yarn", "factor": float(factor), "original_max_position_embeddings": original or context}
+        scaling = {"type": "yarn", "factor": factor, "original_max_position_embeddings": original or context}
         for name in ("beta_fast", "beta_slow"):
-            value = h.get(f"{arch}.rope.scaling.yarn_{name}", None, float)
-            if value is not None:
-                scaling[name] = float(value)
+            key = f"{arch}.rope.scaling.yarn_{name}"
+            if key in h.metadata:
+                scaling[name] = _decimal(h, key, h.require(key, float))
         return scaling
     raise h.fail(f"unsupported rope scaling type {kind!r} (supported: linear, yarn, Llama 3 rope_freqs)")
 
@@ -488,9 +496,11 @@ def _llama3_scaling(h: Header, info: TensorInfo, head_dim: int, theta: float) ->
         smooth = (factor / r[middle] - 1) / (factor - 1)  # s from r = 1 / ((1 - s)/f + s)
         slope, intercept = np.polyfit(1 / wavelen[middle], smooth, 1)  # s = (L/w - low)/(high - low)
         low, high = -intercept * original / slope, (1 - intercept) * original / slope
-    else:  # boundaries only: any cut between the last unscaled and the first scaled pair
-        low = original / float(np.min(wavelen[r >= factor - 1e-6]))
-        high = original / float(np.max(wavelen[r <= 1 + 1e-6]))
+    elif (r <= 1 + 1e-6).any() and (r >= factor - 1e-6).any():  # a step: cut between the two pairs
+        a, b = float(np.max(wavelen[r <= 1 + 1e-6])), float(np.min(wavelen[r >= factor - 1e-6]))
+        low, high = original / (a + 2 * (b - a) / 3), original / (a + (b - a) / 3)
+    else:
+        raise h.fail("tensor rope_freqs.weight is not a Llama 3 frequency-factor table")
     params = {"type": "llama3", "factor": factor, "low_freq_factor": float(low), "high_freq_factor": float(high),
               "original_max_position_embeddings": int(original)}
     if not np.allclose(_llama3_factors(params, wavelen), r, rtol=1e-4, atol=1e-5):
@@ -576,12 +586,12 @@ def _check_tensors(h: Header, expected: dict[str, tuple]) -> dict[str, TensorInf
 
 def _gguf_name(mlx: str) -> str:
     """The GGUF tensor name of an mlx-lm parameter name (the inverse of `mlx_name`)."""
-    match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", mlx)
+    module, _, kind = mlx.rpartition(".")
+    match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", module)
     if match:
-        short = {v: k for k, v in _LAYER_NAMES.items()}[match.group(2)]
-        return f"blk.{match.group(1)}.{short}.{match.group(3)}"
-    base, _, kind = mlx.rpartition(".")
-    return f"{ {v: k for k, v in _GLOBAL_NAMES.items()}[base]}.{kind}"
+        short = next(k for k, v in _LAYER_NAMES.items() if v == match.group(2))
+        return f"blk.{match.group(1)}.{short}.{kind}"
+    return next(k for k, v in _GLOBAL_NAMES.items() if v == module) + "." + kind
 
 
 def _compute_dtype(h: Header, cpu: bool):
@@ -595,56 +605,75 @@ def _compute_dtype(h: Header, cpu: bool):
     return mx.bfloat16 if "BF16" in types else mx.float16
 
 
-def _read_bf16(h: Header, info: TensorInfo):
-    """A BF16 tensor read exactly (bfloat16 bits are the top half of float32's); `mx.load` narrows BF16
-    to float16, which overflows above 65504."""
-    import mlx.core as mx
+def _read_float(raw: bytes, info: TensorInfo) -> np.ndarray:
+    """An F32/F16/BF16 tensor as float32 (bfloat16 bits are the top half of float32's)."""
+    if info.type_name == "BF16":
+        return (np.frombuffer(raw, "<u2").astype(np.uint32) << 16).view(np.float32).reshape(info.shape)
+    return np.frombuffer(raw, "<f4" if info.type_name == "F32" else "<f2").reshape(info.shape)
 
-    with open(h.path, "rb") as f:
-        f.seek(info.offset)
-        bits = np.frombuffer(f.read(info.nbytes), dtype="<u2").astype(np.uint32) << 16
-    return mx.array(bits.view(np.float32).reshape(info.shape))
+
+def _read_quantized(raw: bytes, info: TensorInfo) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A Q8_0/Q4_0/Q4_1 tensor as MLX affine quantization (group 32): (uint32 weight, scales, biases).
+
+    MLX packs value j of a row at bits (j mod 32/b) * b of word j // (32/b), little-endian: for 8 bits the
+    bytes in order, for 4 bits byte k holds values 2k (low nibble) and 2k+1 (high nibble). Scales and
+    biases are float32: d and -128 d (Q8_0, on q + 128), d and -8 d (Q4_0), d and m (Q4_1).
+    """
+    rows = math.prod(info.shape[:-1])
+    _, _, block_bytes = GGML_TYPES[info.type_id]
+    blocks = np.frombuffer(raw, np.uint8).reshape(-1, block_bytes)
+    d = blocks[:, :2].copy().view("<f2").astype(np.float32)[:, 0]
+    if info.type_name == "Q8_0":
+        values = (blocks[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        biases = -128 * d
+    else:
+        nibbles = blocks[:, 2:] if info.type_name == "Q4_0" else blocks[:, 4:]
+        values = np.concatenate([nibbles & 0xF, nibbles >> 4], axis=1)  # value i: low nibble of byte i, i+16: high
+        values = values[:, 0::2] | (values[:, 1::2] << 4)
+        biases = -8 * d if info.type_name == "Q4_0" else blocks[:, 2:4].copy().view("<f2").astype(np.float32)[:, 0]
+    packed = np.ascontiguousarray(values).view("<u4").reshape(rows, -1)
+    return packed, d.reshape(rows, -1), biases.reshape(rows, -1)
 
 
 def _load_weights(h: Header, config: dict, model, keep_quantized: bool, dtype) -> tuple[dict, dict]:
     """(weights by mlx-lm name, {module path: bits} of the modules kept quantized) for `model`.
 
-    Tensors are read with `mx.load` (only after `read_header` validated the layout), renamed, Q/K rows
-    un-permuted for llama, and either dequantized to `dtype` or kept as MLX affine weights (group 32) with
-    scales and biases in `dtype`. 1-D tensors (norms, biases) are always plain arrays.
+    Each tensor's bytes (inside the file, as `read_header` checked) are read and converted here, renamed,
+    Q/K rows un-permuted for llama, and block-quantized matrices either dequantized to `dtype` or kept as
+    MLX affine weights (group 32) with scales and biases in `dtype`. (`mx.load` also reads GGUF, but it
+    parses the whole header itself and crashes on some valid files, e.g. with a float64 metadata value.)
     """
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
     expected = {name: p.shape for name, p in tree_flatten(model.parameters())}
     found = _check_tensors(h, expected)
-    arrays = mx.load(str(h.path))
     heads = {"self_attn.q_proj": config["num_attention_heads"], "self_attn.k_proj": config["num_key_value_heads"]}
     permuted = h.architecture in PERMUTED_QK
     weights, quantized = {}, {}
-    for name, info in found.items():
-        module = name.rsplit(".", 1)[0]
-        n_heads = next((n for suffix, n in heads.items() if module.endswith(suffix)), None) if permuted else None
-        fix = (lambda a: unpermute_rows(a, n_heads)) if n_heads else (lambda a: a)
-        if info.type_name in QUANT_BITS:
-            bits = QUANT_BITS[info.type_name]
-            base = info.name[: -len(".weight")]
-            w, scales, biases = (fix(arrays.pop(k)) for k in (info.name, base + ".scales", base + ".biases"))
-            if keep_quantized and len(info.shape) == 2:
+    with open(h.path, "rb") as f:
+        for name, info in found.items():
+            module = name.rsplit(".", 1)[0]
+            n_heads = next((n for suffix, n in heads.items() if module.endswith(suffix)), None) if permuted else None
+            fix = (lambda a: unpermute_rows(a, n_heads)) if n_heads else (lambda a: a)
+            f.seek(info.offset)
+            raw = f.read(info.nbytes)
+            if info.type_name not in QUANT_BITS:
+                weights[name] = mx.array(fix(_read_float(raw, info))).astype(dtype)
+            elif keep_quantized and len(info.shape) == 2:
+                w, scales, biases = (mx.array(fix(a)) for a in _read_quantized(raw, info))
                 weights[name] = w
                 weights[module + ".scales"] = scales.astype(dtype)
                 weights[module + ".biases"] = biases.astype(dtype)
-                quantized[module] = bits
-                continue
-            flat = mx.dequantize(w.reshape(-1, w.shape[-1]), scales.reshape(-1, scales.shape[-1]).astype(mx.float32),
-                                 biases.reshape(-1, biases.shape[-1]).astype(mx.float32),
-                                 group_size=GROUP_SIZE, bits=bits)
-            weights[name] = flat.reshape(info.shape).astype(dtype)
-        else:
-            array = _read_bf16(h, info) if info.type_name == "BF16" else arrays.pop(info.name)
-            weights[name] = fix(array).astype(dtype)
+                quantized[module] = QUANT_BITS[info.type_name]
+            else:
+                w, scales, biases = (mx.array(fix(a)) for a in _read_quantized(raw, info))
+                dense = mx.dequantize(w, scales, biases, group_size=GROUP_SIZE, bits=QUANT_BITS[info.type_name])
+                weights[name] = dense.reshape(info.shape).astype(dtype)
+            del raw
+            mx.eval([weights[k] for k in weights if k.startswith(module + ".")])  # one tensor's bytes at a time
     for name in expected:  # a llama attention with Q/K/V biases but no output bias
-        if name not in weights and name not in found:
+        if name not in weights:
             weights[name] = mx.zeros(expected[name], dtype=dtype)
     return weights, quantized
 

@@ -105,9 +105,12 @@ def test_header_reads_every_value_type_as_written(tmp_path):
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_f32_round_trip_equals_the_source_model(tmp_path, bpe, tied):
+    """Also with float64 and nested-array metadata (valid GGUF on which mx.load's own parser crashes)."""
+    V = gguf.GGUFValueType
     config = H.model_config(bpe[0].get_vocab_size(), tied)
     weights = H.random_weights(config)
-    H.write_gguf(tmp_path / "m.gguf", config, weights, bpe[1])
+    H.write_gguf(tmp_path / "m.gguf", config, weights, bpe[1],
+                 metadata={"general.score": (0.5, V.FLOAT64), "general.nested": ([[1, 2], [3]], V.ARRAY)})
     model, tokenizer, cfg = pg.load_gguf(tmp_path / "m.gguf")
     for key in ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
                 "num_key_value_heads", "vocab_size", "tie_word_embeddings", "max_position_embeddings"):
