@@ -727,6 +727,7 @@ PRE_TOKENIZERS = {
     "llama3": ((_LLAMA3_RE,), True, True),
     "llama-v3": ((_LLAMA3_RE,), True, True),
     "llama-bpe": ((_LLAMA3_RE,), True, True),
+    "falcon3": ((_LLAMA3_RE,), True, True),
     "smaug-bpe": ((_LLAMA3_RE,), False, False),
     "dbrx": ((_LLAMA3_RE,), False, False),
     "smollm": ((r"\p{N}", _GPT2_RE), False, False),
@@ -762,7 +763,7 @@ def _read_vocab(h: Header) -> _Vocab:
     n = len(tokens)
     if not n or not all(isinstance(t, str) for t in tokens):
         raise h.fail("tokenizer.ggml.tokens must be a non-empty array of strings")
-    tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]  # llama.cpp names empty tokens so
+    tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]  # llama.cpp's name for empty tokens
     seen: dict[str, int] = {}
     for i, t in enumerate(tokens):
         if seen.setdefault(t, i) != i:
@@ -838,9 +839,12 @@ def build_tokenizer(path_or_header):
     added by the post-processor when ``tokenizer.ggml.add_bos_token`` / ``add_eos_token`` say so (llama.cpp's
     defaults otherwise: BOS for SentencePiece vocabularies and Llama 3 pre-tokenizers).
     """
+    return _build_tokenizer(_read_vocab(_header(path_or_header)))
+
+
+def _build_tokenizer(vocab: _Vocab):
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-    vocab = _read_vocab(_header(path_or_header))
     ids = {t: i for i, t in enumerate(vocab.tokens)}
     if vocab.kind == "gpt2":
         regexes, ignore_merges, _ = PRE_TOKENIZERS[vocab.pre]
@@ -877,7 +881,10 @@ def tokenizer_config(path_or_header) -> dict:
     template (``tokenizer.chat_template``). No model_max_length: evaluating beyond the trained window is
     what context extension is about, and transformers would warn on every longer text."""
     h = _header(path_or_header)
-    vocab = _read_vocab(h)
+    return _tokenizer_config(h, _read_vocab(h))
+
+
+def _tokenizer_config(h: Header, vocab: _Vocab) -> dict:
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
               "add_bos_token": vocab.add_bos, "add_eos_token": vocab.add_eos}
     for role, i in vocab.special.items():
@@ -891,10 +898,11 @@ def tokenizer_config(path_or_header) -> dict:
 def write_tokenizer(path_or_header, folder: str | os.PathLike) -> Path:
     """Write tokenizer.json and tokenizer_config.json for the file's tokenizer into `folder`; returns it."""
     h = _header(path_or_header)
+    vocab = _read_vocab(h)  # checked before anything is written
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(h).save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(h), indent=2) + "\n")
+    _build_tokenizer(vocab).save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(h, vocab), indent=2) + "\n")
     return folder
 
 
@@ -960,14 +968,14 @@ def convert(path: str | os.PathLike, out_folder: str | os.PathLike, keep_quantiz
         raise UserError(f"{out} already exists; pass --overwrite (overwrite=True) to replace it")
     h = read_header(path)
     config = config_from_gguf(h)
-    tokenizer = build_tokenizer(h)  # checks the tokenizer before the weights are read
+    vocab = _read_vocab(h)  # the tokenizer is checked before anything is written
     dtype = _compute_dtype(h, cpu=not keep_quantized)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = _sibling(out, "tmp")
     tmp.mkdir()
     try:
-        tokenizer.save(str(tmp / "tokenizer.json"))
-        (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(h), indent=2) + "\n")
+        _build_tokenizer(vocab).save(str(tmp / "tokenizer.json"))
+        (tmp / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(h, vocab), indent=2) + "\n")
         model, quantized = _model_from_header(h, config, bool(keep_quantized), dtype)
         save_model(tmp, model)
         if quantized:

@@ -406,6 +406,8 @@ BAD = {  # name: (how to break the valid file, what the message says)
     "shape disagrees with metadata": ({"metadata": {"llama.feed_forward_length": (192, gguf.GGUFValueType.UINT32)}},
                                       "has shape [256, 64] but the metadata implies [192, 64]"),
     "unsupported pre-tokenizer": ({"pre": "tekken"}, "unsupported pre-tokenizer 'tekken'"),
+    "unsupported tokenizer": ({"metadata": {"tokenizer.ggml.model": ("bert", gguf.GGUFValueType.STRING)}},
+                              "unsupported tokenizer model 'bert'"),
     "no such file": ({"missing": True}, "no such file"),
 }
 
