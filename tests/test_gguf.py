@@ -76,7 +76,10 @@ def test_header_reads_every_value_type_as_written(tmp_path):
         writer.add_array(key, value)
     writer.add_tensor("a", np.arange(6, dtype=np.float32).reshape(2, 3))
     writer.add_tensor("b", np.ones((4, 32), np.float16))
-    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
 
     h = pg.read_header(tmp_path / "v.gguf")
     for key, (value, vtype) in values.items():
@@ -116,6 +119,7 @@ def test_f32_round_trip_equals_the_source_model(tmp_path, bpe, tied):
                 "num_key_value_heads", "vocab_size", "tie_word_embeddings", "max_position_embeddings"):
         assert cfg[key] == config[key], key
     assert cfg["rope_theta"] == config["rope_theta"] and cfg["head_dim"] == 16
+    assert cfg["rms_norm_eps"] == 1e-5  # written as float32, read back as the decimal it stands for
     assert ("lm_head" in dict(model.children())) == (not tied)
     ids = ids_for(config)
     expected = logits(H.model_with(config, weights), ids)
@@ -173,6 +177,21 @@ def test_unpermuted_rows_match_llama_cpp_interleaved_rope(tmp_path, bpe):
     interleaved = logits(H.model_with({**config, "rope_traditional": True}, raw), ids)
     assert np.abs(logits(model, ids) - interleaved).max() <= TOL
     assert np.abs(logits(H.model_with(config, raw), ids) - interleaved).max() > 100 * TOL
+
+
+def test_llama_qkv_biases_are_unpermuted_and_a_missing_output_bias_is_zero(tmp_path, bpe):
+    """llama.cpp permutes Q/K biases like the rows; its llama graph allows Q/K/V biases without an output
+    bias, which mlx-lm's llama (one attention_bias flag) gets as zeros."""
+    config = H.model_config(bpe[0].get_vocab_size(), tied=True, attention_bias=True)
+    weights = H.random_weights(config, seed=13)
+    for layer in range(config["num_hidden_layers"]):
+        weights[f"model.layers.{layer}.self_attn.o_proj.bias"][:] = 0
+    dropped = tuple(f"blk.{layer}.attn_output.bias" for layer in range(config["num_hidden_layers"]))
+    H.write_gguf(tmp_path / "b.gguf", config, weights, bpe[1], drop_tensors=dropped)
+    model, _, cfg = pg.load_gguf(tmp_path / "b.gguf")
+    assert cfg["attention_bias"] is True
+    ids = ids_for(config)
+    assert np.abs(logits(model, ids) - logits(H.model_with(config, weights), ids)).max() <= TOL
 
 
 def test_qwen2_biases_and_no_permutation(tmp_path):
@@ -535,3 +554,15 @@ def test_real_perplexity_on_english_prose(real):
     counts = np.array(list(Counter(ids).values()), np.float64)
     unigram = math.exp(-(counts * np.log(counts / len(ids))).sum() / len(ids))
     assert ppl < 20 and ppl < unigram / 10, (ppl, unigram)
+
+
+def test_real_convert_matches_load_gguf(real, tmp_path):
+    from mlx_lm import load
+
+    path, model, tokenizer, _ = real
+    out = pg.convert(path, tmp_path / "smollm2")
+    converted, converted_tokenizer = load(str(out))
+    text = "The capital of France is Paris. The capital of Italy is"
+    ids = mx.array(tokenizer.encode(text))[None]
+    assert converted_tokenizer.encode(text) == tokenizer.encode(text)
+    assert np.abs(logits(converted, ids) - logits(model, ids)).max() <= TOL
