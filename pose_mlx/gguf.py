@@ -28,12 +28,15 @@ while Hugging Face checkpoints (and mlx-lm with ``rope_traditional=False``) rota
 converter therefore reorders the rows of W_q and W_k (and their biases) within each head: GGUF row 2i holds
 Hugging Face row i and row 2i+1 holds row i + d/2, i.e. ``w.reshape(h, 2, d/2, ...).swapaxes(1, 2)``. Loading
 undoes it: ``w.reshape(h, d/2, 2, ...).swapaxes(1, 2)`` with h the query heads for Q and the KV heads for K.
-Qwen2 uses the half-split ("NeoX") RoPE in llama.cpp too, so its rows are stored unchanged.
+llama.cpp runs qwen2 with the half-split ("NeoX") RoPE, as Hugging Face does, so those rows are unchanged.
 
 API:
-- `read_header(path)`: parse and validate everything but the tensor data (pure Python, no MLX).
+- `read_header(path) -> Header`: parse and validate everything but the tensor data (no MLX). ``Header.tensors``
+  has each tensor's type, shape and bytes (what a memory planner needs), ``Header.metadata`` the key/values.
 - `config_from_gguf(path_or_header)`: the Hugging Face style config.json dict mlx-lm reads (metadata only).
-- `write_tokenizer(path_or_header, folder)`: tokenizer.json + tokenizer_config.json from the metadata.
+- `build_tokenizer` / `tokenizer_config` / `write_tokenizer(path_or_header, folder)` / `load_tokenizer`:
+  the file's tokenizer as a `tokenizers.Tokenizer`, tokenizer.json + tokenizer_config.json, an mlx-lm
+  `TokenizerWrapper`.
 - `load_gguf(path, keep_quantized=None)`: (mlx-lm model, mlx-lm TokenizerWrapper, config).
 - `convert(path, out_folder, keep_quantized=False)`: a model folder `mlx_lm.load` reads.
 
@@ -380,9 +383,10 @@ def config_from_gguf(path_or_header) -> dict:
                      "rotary embedding over an even head dimension is supported")
     if arch == "qwen2" and head_dim * heads != hidden:
         raise h.fail(f"head dimension {head_dim} x {heads} heads != hidden size {hidden} (mlx-lm's qwen2 needs it)")
-    eps = _decimal(h, key("attention.layer_norm_rms_epsilon"), h.require(key("attention.layer_norm_rms_epsilon"), float))
+    eps_key = key("attention.layer_norm_rms_epsilon")
+    eps = _decimal(h, eps_key, h.require(eps_key, float))
     if not eps > 0:
-        raise h.fail(f"{key('attention.layer_norm_rms_epsilon')} must be positive, got {eps}")
+        raise h.fail(f"{eps_key} must be positive, got {eps}")
     theta = _decimal(h, key("rope.freq_base"), h.get(key("rope.freq_base"), 10000.0, float))
     if not theta > 1:
         raise h.fail(f"{key('rope.freq_base')} must be > 1, got {theta}")
