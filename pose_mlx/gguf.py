@@ -175,6 +175,14 @@ def _short(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _label(name: str, limit: int = 80) -> str:
+    """A key or tensor name fit for a one-line message: control characters escaped, long names cut."""
+    if name.isprintable() and len(name) <= limit:
+        return name
+    text = repr(name)[1:-1]
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class _Cursor:
     """Bounds-checked little-endian reads from a memory-mapped file."""
 
@@ -290,9 +298,9 @@ def _parse(buffer, path: Path) -> Header:
     for i in range(n_kv):
         key = cur.string(f"metadata key #{i}")
         if key in metadata:
-            raise cur.fail(f"metadata key {key} appears twice")
-        type_id = cur.u32(f"the value type of {key}")
-        metadata[key] = cur.value(type_id, f"metadata {key}")
+            raise cur.fail(f"metadata key {_label(key)} appears twice")
+        type_id = cur.u32(f"the value type of {_label(key)}")
+        metadata[key] = cur.value(type_id, f"metadata {_label(key)}")
         value_types[key] = type_id
 
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
@@ -302,39 +310,41 @@ def _parse(buffer, path: Path) -> Header:
     raw = []
     for i in range(n_tensors):
         name = cur.string(f"the name of tensor #{i}")
-        n_dims = cur.u32(f"the dimension count of tensor {name}")
+        label = _label(name)
+        n_dims = cur.u32(f"the dimension count of tensor {label}")
         if not 1 <= n_dims <= MAX_DIMS:
-            raise cur.fail(f"tensor {name} has {n_dims} dimensions (1 to {MAX_DIMS} allowed)")
-        dims = tuple(cur.u64(f"dimension {j} of tensor {name}") for j in range(n_dims))
-        type_id = cur.u32(f"the type of tensor {name}")
-        offset = cur.u64(f"the data offset of tensor {name}")
+            raise cur.fail(f"tensor {label} has {n_dims} dimensions (1 to {MAX_DIMS} allowed)")
+        dims = tuple(cur.u64(f"dimension {j} of tensor {label}") for j in range(n_dims))
+        type_id = cur.u32(f"the type of tensor {label}")
+        offset = cur.u64(f"the data offset of tensor {label}")
         raw.append((name, dims, type_id, offset))
 
     data_offset = -(-cur.pos // alignment) * alignment
     tensors: dict[str, TensorInfo] = {}
     for name, dims, type_id, offset in raw:
+        label = _label(name)
         if name in tensors:
-            raise cur.fail(f"tensor {name} appears twice")
+            raise cur.fail(f"tensor {label} appears twice")
         if type_id not in GGML_TYPES:
-            raise cur.fail(f"unknown tensor type {type_id} in tensor {name}")
+            raise cur.fail(f"unknown tensor type {type_id} in tensor {label}")
         type_name, block, block_bytes = GGML_TYPES[type_id]
         if any(d <= 0 for d in dims):
-            raise cur.fail(f"tensor {name} has a non-positive dimension {list(dims)}")
+            raise cur.fail(f"tensor {label} has a non-positive dimension {list(dims)}")
         if dims[0] % block:
-            raise cur.fail(f"tensor {name} ({type_name}) has {dims[0]} values per row, not a multiple of {block}")
+            raise cur.fail(f"tensor {label} ({type_name}) has {dims[0]} values per row, not a multiple of {block}")
         nbytes = math.prod(dims) // block * block_bytes
         if offset % alignment:
-            raise cur.fail(f"tensor {name} has offset {offset}, not a multiple of the alignment {alignment}")
+            raise cur.fail(f"tensor {label} has offset {offset}, not a multiple of the alignment {alignment}")
         start = data_offset + offset
         if start + nbytes > cur.size:
-            raise cur.fail(f"tensor {name} claims {nbytes} bytes at byte {start}, "
+            raise cur.fail(f"tensor {label} claims {nbytes} bytes at byte {start}, "
                            f"{start + nbytes - cur.size} bytes beyond the end of the file ({cur.size} bytes)")
         tensors[name] = TensorInfo(name, dims, type_id, start, nbytes)
 
     previous = None
     for info in sorted(tensors.values(), key=lambda t: t.offset):
         if previous is not None and info.offset < previous.offset + previous.nbytes:
-            raise cur.fail(f"tensors {previous.name} and {info.name} overlap")
+            raise cur.fail(f"tensors {_label(previous.name)} and {_label(info.name)} overlap")
         previous = info
     return Header(path, version, metadata, tensors, alignment, data_offset, cur.size, value_types)
 
@@ -361,13 +371,15 @@ def config_from_gguf(path_or_header) -> dict:
     h = _header(path_or_header)
     arch = h.architecture
     if arch not in ARCHITECTURES:
-        raise h.fail(f"unsupported architecture {arch!r} (supported: {', '.join(ARCHITECTURES)})")
+        raise h.fail(f"unsupported architecture {_short(arch)} (supported: {', '.join(ARCHITECTURES)})")
 
     def key(name):
         return f"{arch}.{name}"
 
     hidden = _positive(h, key("embedding_length"))
     layers = _positive(h, key("block_count"))
+    if layers * len(_LAYER_NAMES) > len(h.tensors):  # every layer has nine weights
+        raise h.fail(f"{key('block_count')}={layers} but the file has only {len(h.tensors)} tensors")
     ffn = _positive(h, key("feed_forward_length"))
     heads = _positive(h, key("attention.head_count"))
     kv_heads = _positive(h, key("attention.head_count_kv"), default=heads)
@@ -457,7 +469,7 @@ def _rope_scaling(h: Header, arch: str, head_dim: int, theta: float, context: in
     freqs = h.tensors.get("rope_freqs.weight")
     if freqs is not None:
         if kind not in (None, "none"):
-            raise h.fail(f"both a rope_freqs tensor and rope scaling {kind!r}; not supported")
+            raise h.fail(f"both a rope_freqs tensor and rope scaling {_short(kind)}; not supported")
         return _llama3_scaling(h, freqs, head_dim, theta)
     if kind in (None, "none") or factor in (None, 1.0):
         return None
@@ -473,7 +485,7 @@ def _rope_scaling(h: Header, arch: str, head_dim: int, theta: float, context: in
             if key in h.metadata:
                 scaling[name] = _decimal(h, key, h.require(key, float))
         return scaling
-    raise h.fail(f"unsupported rope scaling type {kind!r} (supported: linear, yarn, Llama 3 rope_freqs)")
+    raise h.fail(f"unsupported rope scaling type {_short(kind)} (supported: linear, yarn, Llama 3 rope_freqs)")
 
 
 def _llama3_scaling(h: Header, info: TensorInfo, head_dim: int, theta: float) -> dict:
@@ -565,6 +577,32 @@ def _default_device_is_cpu() -> bool:
     return mx.default_device().type == mx.cpu
 
 
+def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """The parameters of mlx-lm's llama / qwen2 for `config` and their shapes, computed without building
+    the model (so that metadata a forged file inflates cannot make a huge model)."""
+    hidden, ffn, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    q_rows = config["num_attention_heads"] * config["head_dim"]
+    kv_rows = config["num_key_value_heads"] * config["head_dim"]
+    qwen2 = config["model_type"] == "qwen2"
+    attention_bias, mlp_bias = config.get("attention_bias", False), config.get("mlp_bias", False)
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    if not config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (vocab, hidden)
+    for i in range(config["num_hidden_layers"]):
+        layer = {"self_attn.q_proj": (q_rows, hidden), "self_attn.k_proj": (kv_rows, hidden),
+                 "self_attn.v_proj": (kv_rows, hidden), "self_attn.o_proj": (hidden, q_rows),
+                 "mlp.gate_proj": (ffn, hidden), "mlp.up_proj": (ffn, hidden), "mlp.down_proj": (hidden, ffn)}
+        for module, shape in layer.items():
+            shapes[f"model.layers.{i}.{module}.weight"] = shape
+            attention = module.startswith("self_attn")
+            if (attention and (attention_bias or (qwen2 and module != "self_attn.o_proj"))) or (
+                    not attention and mlp_bias):
+                shapes[f"model.layers.{i}.{module}.bias"] = shape[:1]
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            shapes[f"model.layers.{i}.{norm}.weight"] = (hidden,)
+    return shapes
+
+
 def _check_tensors(h: Header, expected: dict[str, tuple]) -> dict[str, TensorInfo]:
     """GGUF tensors by mlx-lm name, checked against the model's parameter shapes: known names, loadable
     types, matching shapes, and none missing (an attention output bias may be absent: it is then zero)."""
@@ -574,7 +612,7 @@ def _check_tensors(h: Header, expected: dict[str, tuple]) -> dict[str, TensorInf
             continue
         name = mlx_name(info.name)
         if name is None or name not in expected:
-            raise h.fail(f"unexpected tensor {info.name} for a {h.architecture} model with this metadata")
+            raise h.fail(f"unexpected tensor {_label(info.name)} for a {h.architecture} model with this metadata")
         if info.type_name not in LOADABLE:
             raise h.fail(f"unsupported tensor type {info.type_name} in tensor {info.name} "
                          f"(supported: {', '.join(LOADABLE)})")
@@ -629,17 +667,21 @@ def _read_quantized(raw: bytes, info: TensorInfo) -> tuple[np.ndarray, np.ndarra
     d = blocks[:, :2].copy().view("<f2").astype(np.float32)[:, 0]
     if info.type_name == "Q8_0":
         values = (blocks[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-        biases = -128 * d
     else:
         nibbles = blocks[:, 2:] if info.type_name == "Q4_0" else blocks[:, 4:]
         values = np.concatenate([nibbles & 0xF, nibbles >> 4], axis=1)  # value i: low nibble of byte i, i+16: high
         values = values[:, 0::2] | (values[:, 1::2] << 4)
-        biases = -8 * d if info.type_name == "Q4_0" else blocks[:, 2:4].copy().view("<f2").astype(np.float32)[:, 0]
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf scales are the file's business
+        if info.type_name == "Q4_1":
+            biases = blocks[:, 2:4].copy().view("<f2").astype(np.float32)[:, 0]
+        else:
+            biases = (-128 if info.type_name == "Q8_0" else -8) * d
     packed = np.ascontiguousarray(values).view("<u4").reshape(rows, -1)
     return packed, d.reshape(rows, -1), biases.reshape(rows, -1)
 
 
-def _load_weights(h: Header, config: dict, model, keep_quantized: bool, dtype) -> tuple[dict, dict]:
+def _load_weights(h: Header, config: dict, found: dict[str, TensorInfo], expected: dict[str, tuple],
+                  keep_quantized: bool, dtype) -> tuple[dict, dict]:
     """(weights by mlx-lm name, {module path: bits} of the modules kept quantized) for `model`.
 
     Each tensor's bytes (inside the file, as `read_header` checked) are read and converted here, renamed,
@@ -648,10 +690,7 @@ def _load_weights(h: Header, config: dict, model, keep_quantized: bool, dtype) -
     parses the whole header itself and crashes on some valid files, e.g. with a float64 metadata value.)
     """
     import mlx.core as mx
-    from mlx.utils import tree_flatten
 
-    expected = {name: p.shape for name, p in tree_flatten(model.parameters())}
-    found = _check_tensors(h, expected)
     heads = {"self_attn.q_proj": config["num_attention_heads"], "self_attn.k_proj": config["num_key_value_heads"]}
     permuted = h.architecture in PERMUTED_QK
     weights, quantized = {}, {}
@@ -698,11 +737,19 @@ def _quantize_modules(model, quantized: dict[str, int]) -> None:
 
 
 def _model_from_header(h: Header, config: dict, keep_quantized: bool, dtype):
-    """(model, {module: bits}) with the weights loaded in `dtype`."""
+    """(model, {module: bits}) with the weights loaded in `dtype`; the tensors are checked against
+    `expected_shapes(config)` before the model is built."""
     import mlx.core as mx
+    from mlx.utils import tree_flatten
 
+    expected = expected_shapes(config)
+    found = _check_tensors(h, expected)
     model = _build_model(config)
-    weights, quantized = _load_weights(h, config, model, keep_quantized, dtype)
+    built = {name: tuple(p.shape) for name, p in tree_flatten(model.parameters())}
+    if built != expected:
+        raise RuntimeError(f"mlx-lm's {config['model_type']} has other parameters than expected_shapes: "
+                           f"{sorted(set(built.items()) ^ set(expected.items()))[:4]}")
+    weights, quantized = _load_weights(h, config, found, expected, keep_quantized, dtype)
     if quantized:
         _quantize_modules(model, quantized)
     model.load_weights(list(weights.items()), strict=True)
@@ -762,7 +809,7 @@ def _read_vocab(h: Header) -> _Vocab:
     if kind is None:
         raise h.fail("missing metadata key tokenizer.ggml.model (the file has no tokenizer)")
     if kind not in ("gpt2", "llama"):
-        raise h.fail(f"unsupported tokenizer model {kind!r} (supported: gpt2 byte-level BPE, llama SentencePiece)")
+        raise h.fail(f"unsupported tokenizer model {_short(kind)} (supported: gpt2 byte-level BPE, llama SentencePiece)")
     tokens = h.require("tokenizer.ggml.tokens", list)
     n = len(tokens)
     if not n or not all(isinstance(t, str) for t in tokens):
@@ -771,7 +818,7 @@ def _read_vocab(h: Header) -> _Vocab:
     seen: dict[str, int] = {}
     for i, t in enumerate(tokens):
         if seen.setdefault(t, i) != i:
-            raise h.fail(f"token {t!r} appears twice in tokenizer.ggml.tokens (ids {seen[t]} and {i})")
+            raise h.fail(f"token {_short(t)} appears twice in tokenizer.ggml.tokens (ids {seen[t]} and {i})")
 
     def per_token(key, kinds, default):
         values = h.get(key, None, list)
@@ -790,12 +837,12 @@ def _read_vocab(h: Header) -> _Vocab:
         merges = []
         for m in raw:
             parts = m.split(" ") if isinstance(m, str) else []
-            if len(parts) != 2 or parts[0] not in seen or parts[1] not in seen:
-                raise h.fail(f"tokenizer.ggml.merges has an invalid merge {_short(m)}")
+            if len(parts) != 2 or not (parts[0] in seen and parts[1] in seen and parts[0] + parts[1] in seen):
+                raise h.fail(f"tokenizer.ggml.merges has a merge {_short(m)} of or into tokens not in the vocabulary")
             merges.append((parts[0], parts[1]))
         pre = h.get("tokenizer.ggml.pre", "default", str)
         if pre not in PRE_TOKENIZERS:
-            raise h.fail(f"unsupported pre-tokenizer {pre!r} (tokenizer.ggml.pre); supported: "
+            raise h.fail(f"unsupported pre-tokenizer {_short(pre)} (tokenizer.ggml.pre); supported: "
                          f"{', '.join(sorted(PRE_TOKENIZERS))}")
     elif scores is None:
         raise h.fail("missing metadata key tokenizer.ggml.scores (needed by a llama tokenizer)")

@@ -477,6 +477,51 @@ def test_convert_cli_reports_a_bad_file_in_one_line(bad_files, case, tmp_path, c
     assert list(tmp_path.iterdir()) == []  # nothing written, no temporary folder left
 
 
+def test_random_corruptions_fail_cleanly(tmp_path, bpe):
+    """Bytes of the header region overwritten at random (single bytes, 32- and 64-bit fields with extreme
+    values, truncations): reading the header, config and tokenizer either works or raises one-line
+    UserErrors, never another exception; so does loading with forged tensor-info and metadata numbers."""
+    import random
+
+    config = H.model_config(bpe[0].get_vocab_size(), tied=True, hidden_size=32, head_dim=8, intermediate_size=64)
+    H.write_gguf(tmp_path / "base.gguf", config, H.random_weights(config), bpe[1])
+    data = (tmp_path / "base.gguf").read_bytes()
+    end = pg.read_header(tmp_path / "base.gguf").data_offset
+    reader = gguf.GGUFReader(str(tmp_path / "base.gguf"))
+    fields = [_field_offset(t.field, part) for t in reader.tensors for part in (2, 3, 4, 5)]
+    fields += [_field_offset(f, 3) for k, f in reader.fields.items()
+               if not k.startswith("GGUF.") and f.types[0] not in (gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING)]
+    extremes = [0, 1, 2, 7, 13, 32, 2**20, 2**31, 2**32 - 1, 2**40, 2**63, 2**64 - 1]
+    rng = random.Random(0)
+    path = tmp_path / "broken.gguf"
+    outcomes = Counter()
+    for i in range(500):
+        broken = bytearray(data)
+        full_load = i % 5 == 0
+        pos = rng.choice(fields) if full_load else rng.randrange(end)
+        kind = rng.choice(["byte", "u32", "u64", "cut"])
+        if kind == "byte":
+            broken[pos] = rng.randrange(256)
+        elif kind == "cut" and not full_load:
+            del broken[pos:]
+        else:
+            width = 4 if kind == "u32" else 8
+            broken[pos:pos + width] = rng.choice(extremes).to_bytes(8, "little")[:width]
+        path.write_bytes(bytes(broken))
+        try:
+            if full_load:
+                pg.load_gguf(path)
+            else:
+                header = pg.read_header(path)
+                pg.config_from_gguf(header)
+                pg.build_tokenizer(header)
+            outcomes["loaded"] += 1
+        except UserError as error:
+            assert "\n" not in str(error) and len(str(error)) < 500, str(error)
+            outcomes["user error"] += 1
+    assert outcomes["user error"] > 100 and outcomes["loaded"] > 10, outcomes
+
+
 def test_convert_command_exit_code(bad_files, tmp_path):
     result = subprocess.run([sys.executable, "-m", "pose_mlx.convert", str(bad_files["forged array length"]),
                              str(tmp_path / "out")], capture_output=True, text=True, cwd=Path(__file__).parents[1])
