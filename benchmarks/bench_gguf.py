@@ -46,7 +46,7 @@ def main() -> int:
 
     import mlx.core as mx
 
-    from pose_mlx.gguf import load_gguf, read_header
+    from pose_mlx.model.gguf import load_gguf, read_header
 
     load_gguf(args.gguf)  # warm-up: imports (transformers, mlx-lm model code) and the page cache
     header_s = min(timed(lambda: read_header(args.gguf))[1] for _ in range(3))

@@ -19,6 +19,7 @@ _LAZY = {
     "PositionRoPE": "pose_mlx.model.patch",
     "find_rope_modules": "pose_mlx.model.patch",
     "load": "pose_mlx.model.source",
+    "load_gguf": "pose_mlx.model.gguf",
     "UserError": "pose_mlx.errors",
     "pose_position_ids": "pose_mlx.positions",
     "randpos_position_ids": "pose_mlx.positions",

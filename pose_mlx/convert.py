@@ -28,7 +28,7 @@ def build_parser() -> ArgumentParser:
 @command("pose_mlx.convert")
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from .gguf import convert
+    from .model.gguf import convert
 
     folder = convert(args.gguf, args.out, keep_quantized=args.keep_quantized, overwrite=args.overwrite)
     files = sorted(p.name for p in folder.iterdir())

@@ -22,7 +22,7 @@ from pose_mlx import toy
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # llama.cpp token types
 
-# mlx-lm / Hugging Face parameter names -> GGUF tensor names (written out here, independently of pose_mlx.gguf).
+# mlx-lm / Hugging Face parameter names -> GGUF tensor names (written out here, independently of pose_mlx.model.gguf).
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
 _LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",

@@ -30,7 +30,7 @@ gguf = pytest.importorskip("gguf")  # the `test` extra
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 import _gguf_helpers as H  # noqa: E402
-from pose_mlx import gguf as pg  # noqa: E402
+from pose_mlx.model import gguf as pg  # noqa: E402
 from pose_mlx.convert import main as convert_main  # noqa: E402
 from pose_mlx.errors import UserError  # noqa: E402
 

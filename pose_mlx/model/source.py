@@ -2,7 +2,7 @@
 
 A reference is an alias (`ALIASES`: a hub id plus the model's original window), a local mlx-lm / Hugging Face
 folder (config.json, weights, tokenizer files), a `.gguf` file (llama.cpp, Ollama, LM Studio; read by
-`pose_mlx.gguf`), or a Hugging Face hub id `owner/name` (downloaded with huggingface_hub). `resolve` checks the
+`pose_mlx.model.gguf`), or a Hugging Face hub id `owner/name` (downloaded with huggingface_hub). `resolve` checks the
 reference without loading weights, `read_config` gives its configuration (config.json, or the GGUF metadata),
 `load` the model and tokenizer - with the schedule of a folder written by `pose_mlx.finetune` re-applied
 (`pose_mlx.json`), so schedules that a plain config cannot express come back exactly.
@@ -36,7 +36,7 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 @dataclass(frozen=True)
 class ModelRef:
-    """Where a model comes from: `path` is a local folder or a .gguf file; `window` the alias's original window."""
+    """Where a model comes from: `path` is a local folder or a GGUF file; `window` the alias's original window."""
 
     name: str
     path: Path
@@ -44,7 +44,16 @@ class ModelRef:
 
     @property
     def is_gguf(self) -> bool:
-        return self.path.suffix.lower() == ".gguf"
+        return self.path.is_file()
+
+
+def _is_gguf_file(path: Path) -> bool:
+    """A GGUF file, recognised by its magic bytes (Ollama's blobs have no .gguf suffix)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
 
 
 def describe_aliases() -> str:
@@ -63,7 +72,7 @@ def resolve(name: str, weights: bool = True) -> ModelRef:
     if path.exists():
         if path.is_dir() and not (path / "config.json").is_file():
             raise UserError(f"--model {name}: no config.json in that folder")
-        if path.is_file() and path.suffix.lower() != ".gguf":
+        if path.is_file() and not _is_gguf_file(path):
             raise UserError(f"--model {name}: a file, but not a .gguf model; pass a model folder or a .gguf file")
         return ModelRef(name, path, window)
     if not _HUB_ID.fullmatch(name):

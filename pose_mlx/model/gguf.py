@@ -62,7 +62,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import UserError
+from ..errors import UserError
 
 MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
