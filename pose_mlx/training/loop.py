@@ -27,6 +27,7 @@ import contextlib
 import json
 import math
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,10 +129,13 @@ def evaluate(model: nn.Module, batches: Iterable, at_positions: Callable) -> flo
 
 
 class _SignalFlag:
-    """Records SIGINT/SIGTERM instead of dying, so the loop can save first; restores handlers on exit."""
+    """Records SIGINT/SIGTERM instead of dying, so the loop can finish its step and save first; a second Ctrl-C
+    kills the process at once (the default action: the last checkpoint is intact, the step under way is lost, the
+    lock is taken over by the next run). Restores the handlers on exit."""
 
-    def __init__(self):
+    def __init__(self, announce: bool = True):
         self.signum = None
+        self.announce = announce
         self._old = {}
 
     def __enter__(self):
@@ -144,6 +148,11 @@ class _SignalFlag:
 
     def _handle(self, signum, frame):
         self.signum = signum
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+        if self.announce:
+            print(f"\n{signal.Signals(signum).name}: stopping after this step and saving a checkpoint (Ctrl-C again "
+                  "to stop at once, losing the step)", file=sys.stderr, flush=True)
 
     def __exit__(self, *exc):
         for sig, handler in self._old.items():
@@ -214,7 +223,7 @@ def train(model: nn.Module, stream, config: TrainConfig, run_dir, at_positions: 
     mx.reset_peak_memory()
     try:
         log_file = open(log_path, "a") if world.is_main else contextlib.nullcontext()
-        with _SignalFlag() as flag, log_file as log:
+        with _SignalFlag(announce=world.is_main) as flag, log_file as log:
             for step in range(start + 1, config.steps + 1):
                 t0 = time.perf_counter()
                 loss, grad_norm, tokens = update(batches)
