@@ -206,8 +206,10 @@ class TooShort(Exception):
 def fit_size(count: Callable[[int], int], budget: int, low: int, guess: int | None = None) -> int:
     """The largest n >= low with count(n) <= budget, for a nondecreasing `count` that is close to linear.
 
-    Secant steps from the last fitting n (a few evaluations), bisection (with doubling while no upper bound
-    is known) after 8 steps. Raises TooShort when count(low) > budget.
+    First probe: `guess` (e.g. the previous sample's size), else low + 64. Then secant steps: extrapolation
+    from (low, lo) while no n with count(n) > budget is known, interpolation between the bracket (lo, hi)
+    once one is; bisection (doubling while unbracketed) after 6 steps. A few evaluations when near linear.
+    Raises TooShort when count(low) > budget.
     """
     known: dict[int, int] = {}
 
@@ -227,12 +229,14 @@ def fit_size(count: Callable[[int], int], budget: int, low: int, guess: int | No
             hi = probe if hi is None else min(hi, probe)
         if hi is not None and hi - lo <= 1:
             return lo
-        if step < 8:
-            ref = probe if probe != low else lo
-            rate = (c(ref) - c(low)) / (ref - low) if ref != low else 0.0
-            target = lo + int((budget - c(lo)) / rate) if rate > 0 else lo + 1
-        else:
+        if step >= 6:
             target = (lo + hi) // 2 if hi is not None else 2 * lo + 1
+        elif hi is not None:
+            target = lo + int((budget - c(lo)) * (hi - lo) / max(c(hi) - c(lo), 1))
+        else:
+            a, b = (low, lo) if lo > low else (low, probe)
+            rate = (c(b) - c(a)) / (b - a)
+            target = lo + int((budget - c(lo)) / rate) if rate > 0 else 2 * lo + 1
         probe = max(target, lo + 1) if hi is None else min(max(target, lo + 1), hi - 1)
     raise RuntimeError("fit_size did not converge")  # pragma: no cover  (a bracket shrinks every step)
 

@@ -40,6 +40,16 @@ def chat_tokenizer(tiny, tmp_path_factory):
     return longctx.load_eval_model(folder).tokenizer
 
 
+@pytest.fixture(scope="module")
+def spm_tokenizer(tmp_path_factory):
+    """A sentencepiece BPE tokenizer (Llama-style: "▁" word prefix, byte fallback) trained on the essay."""
+    from pose_mlx import toy
+
+    folder = toy.make_model_folder(tmp_path_factory.mktemp("ruler_spm") / "spm", vocab_size=1000,
+                                   texts=[haystack.reference_text()[:200_000]], max_position_embeddings=4096)
+    return longctx.load_eval_model(folder).tokenizer
+
+
 def body_of(sample: rt.Sample, fmt: rt.PromptFormat) -> str:
     return sample.text[len(fmt.head): len(sample.text) - len(fmt.tail) - len(sample.answer_prefix)]
 
@@ -95,10 +105,11 @@ def test_run_scores_average_their_records():
 # ---------------------------------------------------------------------------------------------- prompts
 
 
-@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("kind", ["bpe", "bpe-chat", "sentencepiece"])
 @pytest.mark.parametrize("task", list(rt.TASKS))
-def test_prompts_fill_their_length_within_two_percent(tiny, chat_tokenizer, task, chat):
-    tok = chat_tokenizer if chat else tiny[1].tokenizer
+def test_prompts_fill_their_length_within_two_percent(tiny, chat_tokenizer, spm_tokenizer, task, kind):
+    tok = {"bpe": tiny[1].tokenizer, "bpe-chat": chat_tokenizer, "sentencepiece": spm_tokenizer}[kind]
+    chat = kind == "bpe-chat"
     builder = rt.PromptBuilder(tok, samples=3, seed=5)
     for length in (1500, 2048, 4000):
         for index in range(3):
