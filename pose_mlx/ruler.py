@@ -310,8 +310,9 @@ def main(argv=None) -> int:
     answer = args.max_new_tokens or max(TASKS[t].max_new_tokens for t in tasks)
     with _user_errors():
         estimate = longctx.check_memory(info.model, [max(lengths) + answer], args.chunk, args.force)
-    builder = PromptBuilder(info.tokenizer, args.samples, args.seed, args.depths, args.haystack,
-                            False if args.no_chat else None)
+    with _user_errors():  # e.g. a tokenizer with neither BOS nor EOS
+        builder = PromptBuilder(info.tokenizer, args.samples, args.seed, args.depths, args.haystack,
+                                False if args.no_chat else None)
     for task in tasks:  # every template fits the shortest length (else a UserError names the task)
         builder.sample(task, min(lengths), 0)
     print(f"model {info.path}: schedule {info.schedule}; original window {info.original_length}, max "

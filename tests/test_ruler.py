@@ -414,6 +414,27 @@ def test_memory_above_ram_needs_force(tiny, tmp_path, capsys, monkeypatch):
     _fails_cleanly(["--model", str(tiny[0]), "--lengths", "1k"], tmp_path, capsys, monkeypatch, "--force")
 
 
+def test_help_lists_every_task(capsys):
+    with pytest.raises(SystemExit) as stop:
+        ruler.main(["--help"])
+    assert stop.value.code == 0
+    out = capsys.readouterr().out
+    assert all(f"  {task} " in out for task in rt.TASKS) and "--threshold" in out and "--haystack" in out
+
+
+def test_module_entry_point_reports_bad_input_in_one_line(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(ruler.__file__).resolve().parents[1])}  # this checkout's package
+    proc = subprocess.run([sys.executable, "-m", "pose_mlx.ruler", "--model", str(tmp_path), "--lengths", "2k,x"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip() == ("pose_mlx.ruler: error: --lengths: cannot parse 'x' in '2k,x' "
+                                   "(expected e.g. 2k,4k,8192)")
+
+
 # ------------------------------------------------------------------------------------------- real model
 
 
