@@ -16,7 +16,7 @@ Task families (the templates are this project's own wording; the task definition
 Sizing: a prompt for length L (chat template and BOS included) has at most L tokens and, where the task's
 granularity allows (always for L >= 1024 here), at least 0.98 L. The haystack is read word by word; the
 number of words is the largest that fits (secant steps on the token count, then bisection: a few full
-tokenizations per prompt, warm-started from the previous sample), and when that falls short of 0.98 L the
+tokenizations per prompt; the search depends on the sample alone), and when that falls short of 0.98 L the
 next word is cut to the characters that still fit. Needles go between haystack units (sentences, or lines of
 the all-needle haystack): a needle of depth d in a haystack of k complete units follows floor(d k + 1/2) of
 them. Depths are spread evenly (sample i of N: needle j of n at (j + i/(N-1))/n) or seeded uniform.
@@ -206,10 +206,10 @@ class TooShort(Exception):
 def fit_size(count: Callable[[int], int], budget: int, low: int, guess: int | None = None) -> int:
     """The largest n >= low with count(n) <= budget, for a nondecreasing `count` that is close to linear.
 
-    First probe: `guess` (e.g. the previous sample's size), else low + 64. Then secant steps: extrapolation
-    from (low, lo) while no n with count(n) > budget is known, interpolation between the bracket (lo, hi)
-    once one is; bisection (doubling while unbracketed) after 6 steps. A few evaluations when near linear.
-    Raises TooShort when count(low) > budget.
+    Secant steps through the last two evaluations aim at count = budget + 1/2 (kept inside the bracket of the
+    largest fitting and smallest overflowing n seen); bisection, doubling while unbracketed, after 8 steps.
+    First probe: `guess`, else low + max(64, budget // 16). The search path, hence the answer where `count`
+    is not quite monotone, depends only on the arguments. Raises TooShort when count(low) > budget.
     """
     known: dict[int, int] = {}
 
@@ -220,8 +220,8 @@ def fit_size(count: Callable[[int], int], budget: int, low: int, guess: int | No
 
     if c(low) > budget:
         raise TooShort(c(low))
-    lo, hi = low, None
-    probe = guess if guess is not None and guess > low else low + 64
+    lo, hi, previous = low, None, low
+    probe = guess if guess is not None and guess > low else low + max(64, budget // 16)
     for step in range(1000):
         if c(probe) <= budget:
             lo = max(lo, probe)
@@ -229,15 +229,12 @@ def fit_size(count: Callable[[int], int], budget: int, low: int, guess: int | No
             hi = probe if hi is None else min(hi, probe)
         if hi is not None and hi - lo <= 1:
             return lo
-        if step >= 6:
-            target = (lo + hi) // 2 if hi is not None else 2 * lo + 1
-        elif hi is not None:
-            target = lo + int((budget - c(lo)) * (hi - lo) / max(c(hi) - c(lo), 1))
+        rate = (c(probe) - c(previous)) / (probe - previous) if probe != previous else 0.0
+        if step < 8 and rate > 0:
+            target = probe + math.floor((budget + 0.5 - c(probe)) / rate)
         else:
-            a, b = (low, lo) if lo > low else (low, probe)
-            rate = (c(b) - c(a)) / (b - a)
-            target = lo + int((budget - c(lo)) / rate) if rate > 0 else 2 * lo + 1
-        probe = max(target, lo + 1) if hi is None else min(max(target, lo + 1), hi - 1)
+            target = (lo + hi) // 2 if hi is not None else 2 * lo + 1
+        previous, probe = probe, (max(target, lo + 1) if hi is None else min(max(target, lo + 1), hi - 1))
     raise RuntimeError("fit_size did not converge")  # pragma: no cover  (a bracket shrinks every step)
 
 
@@ -319,7 +316,6 @@ class PromptBuilder:
         self.essay = hay.essay_units(hay.essay_text(haystack_dir))
         self.words = tuple(w for w in hay.word_pool() if w not in FIXED_TEXT)
         self._common = self._maximal_words()
-        self._guess: dict[tuple[str, int], int] = {}
         self._streams: dict[tuple, _Stream] = {}
 
     # -- randomness
@@ -524,11 +520,10 @@ class PromptBuilder:
             return memo[size, chars]
 
         try:
-            size = fit_size(lambda n: len(tokens(n)), length, draft.low, self._guess.get((task.name, length)))
+            size = fit_size(lambda n: len(tokens(n)), length, draft.low)
         except TooShort as short:
             raise UserError(f"--lengths: {length} tokens is too short for {task.name} (its template and needles "
                             f"alone take {short.tokens} tokens); drop it from --tasks or use longer --lengths") from None
-        self._guess[(task.name, length)] = size
         chars = 0
         if draft.top_up and len(tokens(size)) < math.ceil((1 - TOLERANCE) * length):
             lo, hi = 0, self._stream(task, length).cut(size)[2] - 1  # (all of it would be size + 1 words)
