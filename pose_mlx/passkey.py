@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import longctx
+from . import haystack, longctx
 from .errors import UserError, command
 
 import mlx.core as mx
@@ -27,7 +27,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_p
 
 TASK = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
         "I will quiz you about the important information there.")
-FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
+FILLER = haystack.FILLER
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "What is the pass key? The pass key is"
 MAX_NEW_TOKENS = 10

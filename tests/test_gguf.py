@@ -531,22 +531,9 @@ def test_convert_command_exit_code(bad_files, tmp_path):
 
 # ------------------------------------------------------------------------------------ the real model
 
-REAL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DOCS = Path("/usr/share/doc/python3.11/html/_sources/tutorial/controlflow.rst.txt")
-
-
-def _real_path() -> Path | None:
-    folders = [os.environ.get("POSE_MLX_MODELS"), Path.home() / ".cache" / "pose_mlx" / "models"]
-    return next((Path(f) / REAL_NAME for f in folders if f and (Path(f) / REAL_NAME).is_file()), None)
-
-
 @pytest.fixture(scope="module")
-def real():
-    path = _real_path()
-    if path is None:
-        pytest.skip(f"{REAL_NAME} not found in $POSE_MLX_MODELS or ~/.cache/pose_mlx/models "
-                    "(fetch it with `python tools/fetch_smollm2.py`)")
-    return path, *pg.load_gguf(path)
+def real(smollm2):
+    return smollm2
 
 
 def test_real_config(real):

@@ -274,7 +274,8 @@ def _as_position_array(position_ids) -> mx.array:
 
 def _holders(model: nn.Module, required: bool = True) -> list:
     """The model's position holders (one per `extend`); ValueError when there is none and one is `required`."""
-    holders = {id(m._holder): m._holder for _, m in model.named_modules() if isinstance(m, PositionRoPE)}
+    modules = model.named_modules() if isinstance(model, nn.Module) else []
+    holders = {id(m._holder): m._holder for _, m in modules if isinstance(m, PositionRoPE)}
     if required and not holders:
         raise ValueError("model has no PositionRoPE layers; call pose_mlx.extend(model, ...) first")
     return list(holders.values())

@@ -1,0 +1,321 @@
+"""RULER's synthetic tasks at several context lengths, and the effective context length: `python -m pose_mlx.ruler`.
+
+RULER (Hsieh et al., 2024, "RULER: What's the Real Context Size of Your Long-Context Language Models?",
+arXiv 2404.06654) probes long context with synthetic tasks: needle-in-a-haystack variants, variable tracking,
+common and frequent words extraction (`pose_mlx.ruler_tasks` generates them offline, sized in the evaluated
+model's tokens). The model answers greedily (at most the task's token budget: 128 for the needle tasks, 30 for
+variable tracking, 120 for common words, 50 for frequent words; `--max-new-tokens` sets one budget for all).
+
+Score (RULER's "all references" string match): a sample scores the fraction of its reference strings found,
+case-insensitively, in the output; a task at a length scores the mean over its samples, in [0, 1].
+
+Effective length: the paper calls a length effective when the model's average over the tasks exceeds the
+average of Llama-2-7B at 4k (85.6%, `--threshold 0.856`). Here: the largest tested length L such that every
+tested length <= L averages >= the threshold; none when the shortest tested length already fails. (A length
+that passes after a shorter one failed does not count: the claim is "reads its context up to L".)
+
+Prompts run through one KV cache (`pose_mlx.passkey.PrefixCachedGenerator`, chunked prefill): within a length,
+samples whose prompts share their start (same template and haystack: the five essay needle tasks, or the
+samples of one task) go deepest first needle first, so each prompt recomputes only the part after its first
+needle. Prompts fill L tokens; the answer follows them (RULER counts the answer in L; here it extends L by at
+most the answer budget).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from . import errors, longctx
+from .errors import UserError
+from .ruler_tasks import DEPTH_MODES, TASKS, PromptBuilder, parse_tasks
+
+DEFAULT_THRESHOLD = 0.856  # Llama-2-7B's RULER average at 4k (Hsieh et al., 2024)
+DEFAULT_SAMPLES = 10
+EFFECTIVE_LENGTH = ("the largest tested length L such that the average score over the tasks is >= the threshold "
+                    "at every tested length <= L (null: the shortest tested length is below it)")
+
+
+def match_all(output: str, references: list[str]) -> float:
+    """Fraction of `references` that occur in `output`, case-insensitively (RULER's all-references match)."""
+    if not references:
+        raise ValueError("references: need at least one")
+    text = output.lower()
+    return sum(ref.lower() in text for ref in references) / len(references)
+
+
+@dataclass
+class Record:
+    """One sample: its prompt, where its needles are, what the model answered and its score."""
+
+    task: str
+    length: int
+    index: int
+    prompt_tokens: int
+    depths: list[float]  # requested needle depths (empty for cwe / fwe)
+    needle_tokens: list[int]  # prompt tokens before each needle
+    references: list[str]
+    output: str
+    score: float
+
+
+@dataclass
+class RulerRun:
+    """Every record of a run, in evaluation order, and what the KV cache saved."""
+
+    tasks: list[str]
+    lengths: list[int]
+    records: list[Record] = field(default_factory=list)
+    computed_tokens: int = 0  # prompt tokens fed through the model (the rest came from the cache)
+    seconds_prompts: float = 0.0
+    seconds_model: float = 0.0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(r.prompt_tokens for r in self.records)
+
+    def score(self, task: str, length: int) -> float:
+        scores = [r.score for r in self.records if r.task == task and r.length == length]
+        return float(np.mean(scores)) if scores else float("nan")
+
+    def results(self) -> list[dict]:
+        """[{task, length, score, samples}] for every task (TASKS order) and length."""
+        return [{"task": t, "length": n, "score": self.score(t, n),
+                 "samples": sum(1 for r in self.records if r.task == t and r.length == n)}
+                for t in self.tasks for n in self.lengths]
+
+    def averages(self) -> dict[int, float]:
+        """Mean over the tasks of each task's score, per length."""
+        return {n: float(np.mean([self.score(t, n) for t in self.tasks])) for n in self.lengths}
+
+    def effective_length(self, threshold: float = DEFAULT_THRESHOLD) -> int | None:
+        return effective_length(self.averages(), threshold)
+
+
+def effective_length(averages: dict[int, float], threshold: float = DEFAULT_THRESHOLD) -> int | None:
+    """The largest length L with averages[n] >= threshold for every n <= L (see EFFECTIVE_LENGTH)."""
+    best = None
+    for length in sorted(averages):
+        if not averages[length] >= threshold:
+            break
+        best = length
+    return best
+
+
+def _reuse_group(task: str) -> tuple:
+    """Tasks whose prompts start alike (same template and haystack) share a group."""
+    spec = TASKS[task]
+    if spec.kind == "niah" and spec.haystack in ("noise", "essay"):
+        return ("niah", spec.haystack)
+    return (task,)
+
+
+def evaluation_order(builder: PromptBuilder, tasks: list[str], lengths: list[int],
+                     samples: int) -> list[tuple[str, int, int]]:
+    """(task, length, index) of every sample: by length, then reuse group, then first needle deepest first."""
+    groups = list(dict.fromkeys(_reuse_group(t) for t in tasks))
+    plan = []
+    for length in lengths:
+        for group in groups:
+            members = [(t, i) for t in tasks if _reuse_group(t) == group for i in range(samples)]
+            first = {(t, i): (builder.depths(t, length, i) or [0.0])[0] for t, i in members}
+            members.sort(key=lambda m: (-first[m], tasks.index(m[0]), m[1]))
+            plan.extend((t, length, i) for t, i in members)
+    return plan
+
+
+def stop_tokens(tokenizer) -> set[int]:
+    stop = set(getattr(tokenizer, "eos_token_ids", None) or [])
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        stop.add(int(tokenizer.eos_token_id))
+    return stop
+
+
+def run_ruler(model, tokenizer, lengths: list[int], tasks: list[str] | str = "all", samples: int = DEFAULT_SAMPLES,
+              seed: int = 0, *, chunk: int = longctx.DEFAULT_CHUNK, depth_mode: str = "spread",
+              haystack: str | Path | None = None, max_new_tokens: int | None = None, chat: bool | None = None,
+              show_progress: bool = True, reuse: bool = True, builder: PromptBuilder | None = None) -> RulerRun:
+    """Generate, answer and score `samples` prompts of every task at every length (lengths in tokens).
+
+    `tasks`: "all", a comma list or a list of names; `depth_mode`: "spread" or "uniform" needle depths;
+    `haystack`: a folder of .txt/.md/.rst files for the essay haystack (default: the language reference);
+    `max_new_tokens`: one answer budget for all tasks (default: each task's); `chat`: force (True) or refuse
+    (False) the tokenizer's chat template (default: use it when there is one); `reuse`: keep the KV cache of
+    the prefix shared with the previous prompt; `builder`: a PromptBuilder made with the same settings.
+    """
+    from tqdm import tqdm
+
+    from .passkey import PrefixCachedGenerator
+
+    tasks = parse_tasks(tasks) if isinstance(tasks, str) else parse_tasks(",".join(tasks))
+    lengths = sorted(set(int(n) for n in lengths))
+    builder = builder or PromptBuilder(tokenizer, samples, seed, depth_mode, haystack, chat)
+    generator = PrefixCachedGenerator(model, chunk, reuse)
+    stop = stop_tokens(tokenizer)
+    run = RulerRun(tasks, lengths)
+    plan = evaluation_order(builder, tasks, lengths, samples)
+    with tqdm(plan, desc="ruler", unit="sample", disable=not show_progress, file=sys.stderr) as bar:
+        for task, length, index in bar:
+            bar.set_postfix_str(f"{task} @ {length}", refresh=False)
+            start = time.perf_counter()
+            sample = builder.sample(task, length, index)
+            middle = time.perf_counter()
+            budget = max_new_tokens or TASKS[task].max_new_tokens
+            output = tokenizer.decode(generator.generate(sample.tokens, budget, stop))
+            run.seconds_prompts += middle - start
+            run.seconds_model += time.perf_counter() - middle
+            run.records.append(Record(task, length, index, len(sample.tokens), [n.depth for n in sample.needles],
+                                      [n.token for n in sample.needles], sample.references, output,
+                                      match_all(output, sample.references)))
+    run.computed_tokens = generator.computed
+    return run
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+
+
+def format_table(run: RulerRun, threshold: float) -> str:
+    """Markdown: one row per task, one column per length, then the average and the effective length."""
+    lines = ["| task | " + " | ".join(str(n) for n in run.lengths) + " |", "|---|" + "---|" * len(run.lengths)]
+    for task in run.tasks:
+        lines.append(f"| {task} | " + " | ".join(f"{run.score(task, n):.2f}" for n in run.lengths) + " |")
+    averages = run.averages()
+    lines.append("| **average** | " + " | ".join(f"**{averages[n]:.2f}**" for n in run.lengths) + " |")
+    effective = run.effective_length(threshold)
+    lines.append("")
+    lines.append(f"effective length: {effective if effective is not None else 'none'} (threshold {threshold:g}: "
+                 f"{EFFECTIVE_LENGTH})")
+    return "\n".join(lines)
+
+
+def record_json(run: RulerRun, info: longctx.EvalModel, args, threshold: float, chat: bool) -> dict:
+    return {
+        "model": info.path, "schedule": info.schedule, "original": info.original,
+        "maximum": info.maximum, "seed": args.seed, "samples": args.samples, "tasks": run.tasks,
+        "lengths": run.lengths, "depths": args.depths, "haystack": args.haystack or "pydoc_data.topics",
+        "chat_template": chat, "max_new_tokens": {t: args.max_new_tokens or TASKS[t].max_new_tokens for t in run.tasks},
+        "metric": "fraction of the references found in the greedy output (case-insensitive), mean over samples",
+        "results": run.results(), "averages": [{"length": n, "score": s} for n, s in run.averages().items()],
+        "effective_length": run.effective_length(threshold), "threshold": threshold,
+        "effective_length_definition": EFFECTIVE_LENGTH,
+        "prompt_tokens": run.prompt_tokens, "computed_tokens": run.computed_tokens,
+        "seconds": {"prompts": round(run.seconds_prompts, 3), "model": round(run.seconds_model, 3)},
+        "records": [asdict(r) for r in run.records],
+    }
+
+
+def _replace_into(path: Path, write) -> None:
+    """write(tmp) then rename over `path`: a reader never sees a half-written file."""
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.partial{path.suffix}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_outputs(out: Path, record: dict, run: RulerRun) -> Path:
+    """The JSON at `out` and the task x length heatmap at <stem>_heatmap.png; returns the PNG's path."""
+    from .plots import heatmap
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    grid = np.array([[run.score(t, n) for n in run.lengths] for t in run.tasks]
+                    + [[run.averages()[n] for n in run.lengths]])
+    png = out.with_name(out.stem + "_heatmap.png")
+    _replace_into(png, lambda p: heatmap(p, grid, run.tasks + ["average"], [str(n) for n in run.lengths],
+                                         "context length (tokens)", "task", "RULER score by task and length"))
+    _replace_into(out, lambda p: p.write_text(json.dumps(record, indent=2) + "\n"))
+    return png
+
+
+def build_parser() -> argparse.ArgumentParser:
+    tasks = "\n".join(f"  {t.name:<16} {t.summary}" for t in TASKS.values())
+    parser = longctx.eval_parser("python -m pose_mlx.ruler", __doc__.split("\n")[0])
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = f"tasks (--tasks):\n{tasks}\n\neffective length: {EFFECTIVE_LENGTH}."
+    parser.add_argument("--lengths", default=None, help="prompt lengths in the model's tokens, e.g. 4k,8k,16k or "
+                                                        "1x,2x of the original window (default: doubling from half "
+                                                        "the original window to the model's maximum)")
+    parser.add_argument("--tasks", default="all", help="`all` or a comma list of task names (below)")
+    parser.add_argument("--samples", type=int, default=DEFAULT_SAMPLES,
+                        help=f"samples per task and length (default {DEFAULT_SAMPLES})")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generated content (default 0)")
+    parser.add_argument("--depths", choices=DEPTH_MODES, default="spread",
+                        help="needle depths: spread evenly over the samples (default) or seeded uniform")
+    parser.add_argument("--haystack", default=None,
+                        help="folder of .txt/.md/.rst files for the essay haystack (default: the Python language "
+                             "reference shipped with CPython, pydoc_data.topics)")
+    parser.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
+                        help=f"average score a length needs to count as effective (default {DEFAULT_THRESHOLD}: "
+                             "Llama-2-7B at 4k in the RULER paper)")
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="answer budget in tokens for every task (default: 128 needles, 30 vt, 120 cwe, 50 fwe)")
+    parser.add_argument("--no-chat", action="store_true",
+                        help="plain prompts even when the tokenizer has a chat template")
+    parser.add_argument("--output", default=None,
+                        help="JSON results (default ruler-<model name>.json here), and <stem>_heatmap.png next to it")
+    return parser
+
+
+def _check_arguments(args) -> list[str]:
+    tasks = parse_tasks(args.tasks)
+    longctx.check_chunk(args.chunk)
+    if args.samples < 1:
+        raise UserError(f"--samples: {args.samples} must be >= 1")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens: {args.max_new_tokens} must be >= 1")
+    if args.seed < 0:
+        raise UserError(f"--seed: {args.seed} must be >= 0")
+    if not 0.0 < args.threshold <= 1.0:
+        raise UserError(f"--threshold: {args.threshold} must be in (0, 1]")
+    return tasks
+
+
+@errors.command("pose_mlx.ruler")
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    tasks = _check_arguments(args)
+    if args.lengths:
+        longctx.parse_lengths(args.lengths, 1)  # the grammar, before loading ('x' lengths need the model)
+    if args.haystack:
+        from .haystack import essay_text
+
+        essay_text(args.haystack)  # a bad folder is reported before the model is loaded
+    info = longctx.load_eval_model(args.model, args.schedule, args.target, args.original)
+    lengths = longctx.resolve_lengths(args.lengths, info)
+    if max(lengths) > info.maximum and not args.force:
+        raise UserError(f"--lengths: {max(lengths)} is beyond the model's window of {info.maximum} tokens; "
+                        "extend it with --schedule/--target, or pass --force to test beyond the window")
+    answer = args.max_new_tokens or max(TASKS[t].max_new_tokens for t in tasks)
+    estimate = longctx.check_memory(info.model, [max(lengths) + answer], args.chunk, args.force)
+    builder = PromptBuilder(info.tokenizer, args.samples, args.seed, args.depths, args.haystack,
+                            False if args.no_chat else None)
+    for task in tasks:  # every template fits the shortest length (else a UserError names the task)
+        builder.sample(task, min(lengths), 0)
+    print(f"model {info.path}: schedule {info.schedule}; original window {info.original}, max "
+          f"{info.maximum}; {'chat template' if builder.fmt.chat else 'plain prompts'}; memory estimate "
+          f"{estimate.describe()}", file=sys.stderr)
+    run = run_ruler(info.model, info.tokenizer, lengths, tasks, args.samples, args.seed, chunk=args.chunk,
+                    max_new_tokens=args.max_new_tokens, show_progress=not args.no_progress, builder=builder)
+    print(f"RULER synthetic tasks, {args.samples} samples per task and length, greedy answers; score = fraction of "
+          f"the references found in the output (case-insensitive), mean over samples ({run.computed_tokens}/"
+          f"{run.prompt_tokens} prompt tokens computed, the rest reused from the KV cache)")
+    print(format_table(run, args.threshold))
+    out = longctx.default_output("ruler", info, args.output)
+    png = write_outputs(out, record_json(run, info, args, args.threshold, builder.fmt.chat), run)
+    print(f"wrote {out} and {png}", file=sys.stderr)
+    return 0
+
+
+__all__ = ["DEFAULT_THRESHOLD", "EFFECTIVE_LENGTH", "Record", "RulerRun", "effective_length", "evaluation_order",
+           "format_table", "main", "match_all", "run_ruler"]
+
+if __name__ == "__main__":
+    sys.exit(main())
