@@ -4,31 +4,39 @@ PoSE's premise is that training memory depends on the training window, not on th
 turns that into numbers before a single weight is loaded. Inputs are shapes and dtypes only (a Hugging Face
 style config dict and the run's settings); nothing here imports MLX at module level.
 
-The model of a training step (one `pose_mlx.train` update, measured as `mx.get_peak_memory()`):
+One training step (what `pose_mlx.train` logs as `peak_memory_gb`, from the second step on, once the AdamW
+state exists) peaks at
 
-    peak = weights + AdamW state + max(head, backward, update)
+    weights + LoRA adapters + AdamW state (2 x trainable x their bytes) + max(head, backward, update)
 
-with T = batch x tokens per row (window - 1 with PoSE, target - 1 with full-length sampling), c the compute
-dtype's bytes, S = batch x heads x L^2 (one attention-score matrix, MLX's attention backward materializes it):
+with n trained blocks, T = batch x tokens per row (window - 1 with PoSE, target - 1 with full-length sampling),
+c the bytes of the compute dtype and S = batch x heads x L^2 x c, one attention-score matrix (MLX differentiates
+attention through the unfused softmax(Q K^T / sqrt(d)) V, on the CPU and on Metal, so the backward keeps it):
 
-- saved(l)   activations block l keeps for its backward: 6 T*hidden + 2 T*q_dims + 2 T*kv_dims + 5 T*intermediate
-             (residual, norm inputs/outputs, q, k, v, attention output, gate, up, sigmoid, silu, product) and
-             one score matrix S (the softmax output);
-- kept(l)    what a block's backward leaves alive until the end of the backward: MLX schedules the weight (or
-             LoRA) gradient products last, so their inputs (the block's matmul inputs and output gradients) stay;
-- head       the logits and the cross-entropy's temporaries, 4 x T*vocab in fp32, plus the first block
-             gradients the evaluator has already allocated ahead;
-- backward   saved(1..k) + kept(k+1..n) + one block's backward working set (2 more score matrices: the
-             softmax gradient and its temporary), maximised over k; with gradient checkpointing saved(l) is the
-             block input only and the block being differentiated is recomputed (its saved set comes back);
-- update     full fine-tuning only: gradients + the optimizer's temporaries of the parameters in flight.
+- saved(block), what a block keeps for its backward: T c (2 hidden: the residual stream in and after attention;
+  2 q_dims: q after RoPE, the attention output; 2 kv_dims: k after RoPE, v; 5 intermediate: gate, up, sigmoid,
+  SiLU, product) + 8 T hidden bytes per norm (MLX's RMSNorm keeps a float32 normalized copy and its output)
+  + S (the softmax output) + 4 T rank per LoRA adapter (x A). With gradient checkpointing: the block input only.
+- kept(block), what a block already differentiated still holds: MLX's evaluator orders the graph so that the
+  weight (or LoRA) gradient products come last, at the end of the backward; until then they hold their inputs
+  and output gradients, f T c (sum of the linear layers' outputs + 2 hidden + q_dims + intermediate) + extras.
+- head = n saved + 4 T vocab x 4 bytes (the float32 logits, the log-sum-exp's and softmax's temporaries, the
+  logits' gradient) + a working set of T-sized arrays (the first block gradients, already allocated).
+- backward = max over k of (k saved + (n - k) kept) + 2 S (the softmax gradient and its temporary) + a working
+  set of T-sized arrays; with checkpointing the block being differentiated is recomputed: its saved() returns.
+- update (full fine-tuning) = gradients + AdamW's temporaries, 4 arrays for each parameter in flight.
 
-MLX's CPU evaluator runs ahead of the computation by a bounded number of operations (it allocates the outputs
-of up to ~50 queued operations before the earlier ones free their inputs), which is why the working sets
-above hold several temporaries at once; their counts were measured on small llamas (see
-`benchmarks/bench_plan.py`, which checks the model on other configurations). Other families are mapped onto
-the same block structure (extra norms, fused projections, biases); a family this module does not know is
-estimated from the config's shapes as a llama-style block, with a warning.
+Why working sets: MLX's CPU evaluator allocates the outputs of up to ~50 queued operations before the earlier
+ones have run and freed their inputs, so several temporaries are alive at once (a compiled update fuses each
+parameter's AdamW step into few operations, hence more parameters in flight). Their counts (`COUNTS`: per
+hidden- and intermediate-sized activation, per score matrix, per parameter) were measured on small llamas with
+the CPU backend; `benchmarks/bench_plan.py` checks the whole model on other models and settings. Metal fuses
+RMSNorm and the loss, so there the prediction errs high. Families other than llama map onto the same terms
+(extra norms, q/k norms, fused projections, biases); a family this module does not know is estimated from the
+config's shapes as a llama-style block, with a warning.
+
+`eval_memory` predicts chunked-prefill evaluation (`pose_mlx.perplexity`, `pose_mlx.passkey`); `make_plan` and
+`check_fits` compare a prediction with the memory available (`available_memory`, `parse_size`).
 """
 
 from __future__ import annotations
@@ -319,6 +327,7 @@ class Counts:
     update: int = 5
     gradients: tuple = (0, 0)  # full fine-tuning: (embedding-sized at the head, block-sized in the backward)
     kept_fraction: float = 1.0  # of the linear layers' inputs and output gradients still waiting
+    checkpointed: tuple = (0, 0, 0)  # with checkpointing, per block beyond its input (T*hidden, T*inter, S)
 
 
 #: Measured on small llamas with MLX's CPU backend (fp32; 1-6 blocks, hidden 64-1024, windows 64-768, batch
@@ -326,16 +335,16 @@ class Counts:
 COUNTS = {
     (True, False, False): Counts(head=(4, 6, 6), backward=(2, 16.5, 6), update=5),
     (True, True, False): Counts(head=(4, 8.5, 8), backward=(2, 25, 6.5), update=41),
-    (True, False, True): Counts(kept=(4, 2.5), head=(4, 5.5, 6.5), backward=(2, 14.5, 8.5), update=5,
+    (True, False, True): Counts(kept=(3.5, 2.5), head=(4, 5.5, 6.5), backward=(2, 14.5, 8.5), update=5,
                                 kept_fraction=0.6),
-    (True, True, True): Counts(kept=(0, 1.5), head=(4, 28, 12), backward=(2.5, 22.5, 7), update=41,
-                               kept_fraction=0.45),
+    (True, True, True): Counts(kept=(2, 1.5), head=(4, 21.5, 12.5), backward=(2.5, 25.5, 8), update=41,
+                               kept_fraction=0),
     (False, False, False): Counts(head=(4, 17.5, 3.5), backward=(2, 39.5, 3.5), update=13.5),
     (False, True, False): Counts(head=(4, 41.5, 3), backward=(2, 49.5, 3.5), update=40),
-    (False, False, True): Counts(kept=(7.5, 2.5), head=(4, 42, 10), backward=(2, 34.5, 4.5), update=8.5,
-                                 kept_fraction=0.75),
-    (False, True, True): Counts(kept=(1, 1.5), head=(4, 50, 1.5), backward=(2.5, 42.5, 2), update=40.5,
-                                gradients=(0.5, 0), kept_fraction=0.8),
+    (False, False, True): Counts(kept=(6.5, 2.5), head=(4, 42, 10), backward=(2, 35.5, 4.5), update=8.5,
+                                 kept_fraction=0.7),
+    (False, True, True): Counts(kept=(4.5, 3), head=(4, 48, 0), backward=(2.5, 40.5, 2.5), update=40.5,
+                                gradients=(0.5, 0), kept_fraction=0, checkpointed=(4, 0, 0)),
 }
 
 
@@ -401,7 +410,8 @@ def training_memory(config: dict | Architecture, settings: TrainSettings) -> Est
         lora_tokens = len(linears) * T * settings.lora_rank * 4  # x @ A, kept for B's gradient
     else:
         trained_blocks, lora_bytes, trainable, param_bytes, lora_tokens = arch.layers, 0, params["total"], c, 0
-        per_block = len(arch.block_linears()) * 1 + sum(lin.bias for lin in arch.block_linears())
+        linears = arch.block_linears()
+        per_block = len(linears) + sum(lin.bias for lin in linears)
         per_block += arch.spec.block_norms * (2 if arch.spec.norm_bias else 1) + (2 if arch.spec.qk_norm else 0)
         arrays = arch.layers * per_block + 2 + (0 if arch.tied else 1) + (1 if arch.spec.norm_bias else 0)
     optimizer = 2 * trainable * param_bytes
@@ -410,17 +420,17 @@ def training_memory(config: dict | Architecture, settings: TrainSettings) -> Est
 
     # what one block keeps for its backward (module docstring), split into scores and the rest
     norms = arch.spec.block_norms
-    qk = {"head": 8 * (tq + tkv) // c, "proj": 8 * (tq + tkv) // c}.get(arch.spec.qk_norm, 0)
+    qk = 8 * (tq + tkv) // c if arch.spec.qk_norm else 0  # q/k norms keep their normalized input and output
     block_saved = 2 * td + norms * 8 * td // c + 2 * tq + 2 * tkv + _mlp_saved(arch) * ti + qk + lora_tokens
     block_scores = score * (2 if arch.spec.softcap else 1)
-    if settings.grad_checkpoint:  # only the block input stays; the block being differentiated is recomputed
-        saved, saved_scores, recompute, recompute_scores = td, 0, block_saved, block_scores
+    if settings.grad_checkpoint:  # the block input stays; the block being differentiated is recomputed
+        cd, ci, cs = counts.checkpointed
+        saved, saved_scores, recompute, recompute_scores = td + cd * td + ci * ti, cs * score, block_saved, block_scores
     else:
         saved, saved_scores, recompute, recompute_scores = block_saved, block_scores, 0, 0
     # the inputs and output gradients of a block's linear layers wait for the (last) weight-gradient products
     # (distinct inputs: the two norm outputs, the attention output and the MLP's product)
-    kept = T * c * (sum(lin.outputs for lin in arch.block_linears()) + 2 * arch.hidden + arch.q_dims
-                    + arch.intermediate)
+    kept = T * c * (sum(lin.outputs for lin in linears) + 2 * arch.hidden + arch.q_dims + arch.intermediate)
     kept = int(counts.kept_fraction * kept)
     kd, ki = counts.kept
     kept += kd * td + ki * ti
@@ -447,6 +457,7 @@ def training_memory(config: dict | Architecture, settings: TrainSettings) -> Est
     phases["update"] = {**persistent, "gradients": gradients, "activations": 0, "attention_scores": 0, "logits": 0,
                         "backward_temporaries": 0,
                         "update_temporaries": 4 * in_flight * gradients // max(arrays, 1)}
+    phases = {name: {k: int(v) for k, v in parts.items()} for name, parts in phases.items()}
     totals = {name: sum(parts.values()) for name, parts in phases.items()}
     phase = max(totals, key=totals.get)
     details = {
