@@ -330,15 +330,16 @@ class Counts:
     checkpointed: tuple = (0, 0, 0)  # with checkpointing, per block beyond its input (T*hidden, T*inter, S)
 
 
-#: Measured on small llamas with MLX's CPU backend (fp32; 1-6 blocks, hidden 64-1024, windows 64-768, batch
-#: 1-4, vocabulary 512-32768; 400 runs), (lora, compile, grad_checkpoint) -> counts.
+#: Measured on small llamas with MLX's CPU backend (fp32; 1-12 blocks, hidden 32-1024, windows 64-768, batch
+#: 1-4, vocabulary 512-32768; 450 runs), (lora, compile, grad_checkpoint) -> counts. Checkpointing under
+#: mx.compile keeps little per block (layer sweeps: about one hidden- and one intermediate-sized array).
 COUNTS = {
     (True, False, False): Counts(head=(4, 6, 6), backward=(2, 16.5, 6), update=5),
     (True, True, False): Counts(head=(4, 8.5, 8), backward=(2, 25, 6.5), update=41),
     (True, False, True): Counts(kept=(3.5, 2.5), head=(4, 5.5, 6.5), backward=(2, 14.5, 8.5), update=5,
                                 kept_fraction=0.6),
-    (True, True, True): Counts(kept=(2, 1.5), head=(4, 21.5, 12.5), backward=(2.5, 25.5, 8), update=41,
-                               kept_fraction=0),
+    (True, True, True): Counts(kept=(1, 1), head=(4, 15, 12.5), backward=(2.5, 24, 9), update=41,
+                               kept_fraction=0, checkpointed=(2, 0, 0)),
     (False, False, False): Counts(head=(4, 17.5, 3.5), backward=(2, 39.5, 3.5), update=13.5),
     (False, True, False): Counts(head=(4, 41.5, 3), backward=(2, 49.5, 3.5), update=40),
     (False, False, True): Counts(kept=(6.5, 2.5), head=(4, 42, 10), backward=(2, 35.5, 4.5), update=8.5,
@@ -408,6 +409,8 @@ def training_memory(config: dict | Architecture, settings: TrainSettings) -> Est
         lora_bytes, trainable, param_bytes = adapter_params * 4, adapter_params, 4  # adapters are float32
         arrays = 2 * trained_blocks * len(linears)
         lora_tokens = len(linears) * T * settings.lora_rank * 4  # x @ A, kept for B's gradient
+        if c < 4:  # float32 adapters promote their input: each keeps a float32 copy for A's gradient
+            lora_tokens += 4 * T * sum(lin.inputs for lin in linears)
     else:
         trained_blocks, lora_bytes, trainable, param_bytes, lora_tokens = arch.layers, 0, params["total"], c, 0
         linears = arch.block_linears()
@@ -430,15 +433,20 @@ def training_memory(config: dict | Architecture, settings: TrainSettings) -> Est
         saved, saved_scores, recompute, recompute_scores = block_saved, block_scores, 0, 0
     # the inputs and output gradients of a block's linear layers wait for the (last) weight-gradient products
     # (distinct inputs: the two norm outputs, the attention output and the MLP's product)
-    kept = T * c * (sum(lin.outputs for lin in linears) + 2 * arch.hidden + arch.q_dims + arch.intermediate)
+    # (LoRA: the adapters' output gradients are float32, and so are their promoted inputs)
+    out_bytes = 4 if settings.lora else c
+    kept = T * (out_bytes * sum(lin.outputs for lin in linears)
+                + c * (2 * arch.hidden + arch.q_dims + arch.intermediate)) + (lora_tokens if c < 4 else 0)
     kept = int(counts.kept_fraction * kept)
     kd, ki = counts.kept
     kept += kd * td + ki * ti
     hv, hd, hi = counts.head
     head_logits = hv * tv + (T * arch.vocab * c if c < 4 else 0) + (2 * tv if arch.spec.softcap else 0)
-    head_rest = hd * td + hi * ti
+    # working sets: in a 16-bit model about half of these temporaries are float32 (RMSNorm, RoPE, loss, LoRA)
+    wide = (c + 4) / (2 * c)
+    head_rest = wide * (hd * td + hi * ti)
     bs, bd, bi = counts.backward
-    work_scores, work_rest = bs * score, bd * td + bi * ti
+    work_scores, work_rest = bs * score, wide * (bd * td + bi * ti)
     if not settings.lora:  # weight gradients already allocated by the evaluator running ahead
         ge, gb = counts.gradients
         head_rest += int(ge * params["embedding"] * c)
