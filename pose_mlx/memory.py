@@ -532,10 +532,18 @@ def format_size(nbytes: int | float) -> str:
     """Bytes in binary units with three significant digits: '12.6 GiB', '340 MiB'."""
     value = float(nbytes)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
+        if abs(value) < 1000 or unit == "TiB":
             return f"{value:.0f} {unit}" if unit == "B" or value >= 100 else f"{value:.3g} {unit}"
         value /= 1024
-    return f"{value} TiB"
+    return f"{value:.3g} TiB"
+
+
+def format_count(n: int | float) -> str:
+    """A count with three significant digits: '6.74 B', '20 M', '512'."""
+    for scale, suffix in ((1e9, " B"), (1e6, " M"), (1e3, " K")):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return f"{n:.0f}"
 
 
 # ------------------------------------------------------------------------------------------- the verdict

@@ -149,8 +149,9 @@ def render(plan: memory.Plan, arch: memory.Architecture, model: str, source: str
     est, d = plan.estimate, plan.estimate.details
     lines = [f"model: {model} ({arch.describe()})", f"run:   {_describe_run(plan.settings, plan)}", ""]
     notes = {
-        "weights": f"{d['parameters'] / 1e6:,.1f} M parameters",
-        "lora_adapters": f"{d['trainable_parameters'] / 1e6:,.2f} M trainable (float32)" if plan.settings.lora else "",
+        "weights": f"{memory.format_count(d['parameters'])} parameters, {d['dtype']}"
+                   + (f" ({arch.quant_bits}-bit)" if arch.quant_bits else ""),
+        "lora_adapters": f"{memory.format_count(d['trainable_parameters'])} trainable (float32)" if plan.settings.lora else "",
         "optimizer_state": "two moments per trainable parameter",
         "activations": f"{memory.format_size(d['activation_bytes_per_block'])} per block at {d['tokens_per_row']} "
                        f"tokens x {plan.settings.batch_size}",
