@@ -21,15 +21,19 @@ from mlx_lm.models import llama
 from common import write_results
 from pose_mlx import longctx
 from pose_mlx.backend import status as blas_status
+from pose_mlx.memory import eval_memory
 
 
-def build(args) -> llama.Model:
-    config = dict(model_type="llama", hidden_size=args.hidden, num_hidden_layers=args.layers,
+def model_config(args) -> dict:
+    return dict(model_type="llama", hidden_size=args.hidden, num_hidden_layers=args.layers,
                   intermediate_size=args.hidden * 8 // 3, num_attention_heads=args.heads,
                   num_key_value_heads=args.kv_heads, rms_norm_eps=1e-5, vocab_size=args.vocab, rope_theta=10000.0,
                   tie_word_embeddings=True, max_position_embeddings=args.original)
+
+
+def build(args) -> llama.Model:
     mx.random.seed(0)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
+    model = llama.Model(llama.ModelArgs.from_dict(model_config(args)))
     mx.eval(model.parameters())
     return model
 
@@ -71,7 +75,7 @@ def main() -> None:
 
     model = build(args)
     mib = 2**20
-    weights = longctx.estimate_memory(model, 1, 1).weights
+    weights = eval_memory(model_config(args), 1, 1).breakdown["weights"]
     rows = []
     rng = np.random.default_rng(0)
     for multiple in [int(m) for m in args.multiples.split(",")]:
@@ -79,12 +83,12 @@ def main() -> None:
         tokens = rng.integers(0, args.vocab, size=length).astype(np.int32)
         c_peak, c_time, c_nll = measure(lambda: longctx.chunked_nll(model, tokens, args.chunk), args.repeats)
         f_peak, f_time, f_nll = measure(lambda: full_nll(model, tokens), args.repeats)
-        est = longctx.estimate_memory(model, length, args.chunk)
+        est = eval_memory(model_config(args), length, args.chunk)
         row = {
             "multiple": multiple, "length": length,
             "chunked_peak_mib": round(c_peak / mib, 1), "chunked_tokens_per_s": round(length / c_time, 1),
             "full_peak_mib": round(f_peak / mib, 1), "full_tokens_per_s": round(length / f_time, 1),
-            "estimate_mib": round(est.total / mib, 1),
+            "estimate_mib": round(est.peak / mib, 1),
             "max_abs_nll_diff": float(np.abs(c_nll - f_nll).max()),
         }
         rows.append(row)

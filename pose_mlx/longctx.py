@@ -8,8 +8,8 @@
   the logits equal those of one full forward, while the attention scores held at once are C x L instead of
   L x L and memory grows with the cache (linear in L). A dynamic-NTK model sets its base from the whole
   sequence's length (`pose_mlx.model.patch.use_length`), so the chunk size changes nothing.
-- `estimate_memory`: weights + KV cache (2 * layers * kv_heads * head_dim * L * bytes) + one chunk's attention
-  scores (C * L * heads * 4 bytes) + one chunk's logits (C * vocab * 4 bytes), compared with the RAM.
+- `check_memory`: the planner's prediction of the longest length (`pose_mlx.memory.eval_memory`) against the
+  memory this machine offers, before any token is evaluated.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ class EvalModel:
     original: int  # the pre-training window
     maximum: int  # the window the model claims (the target of an extension, or max_position_embeddings)
     schedule: str  # e.g. "none", "linear x8 (from pose_mlx.json)", "yarn x4 (--schedule, no training)"
+    config: dict  # the model's configuration (what the memory model reads)
 
     @property
     def name(self) -> str:
@@ -67,7 +68,7 @@ def load_eval_model(reference: str, schedule: str | None = None, target: str | N
             raise UserError(f"--schedule/--target: {reference} is already extended ({extension.schedule}); "
                             "drop them")
         return EvalModel(model, tokenizer, str(ref.path), extension.original, extension.target,
-                         f"{extension.schedule} x{extension.factor:g} (from pose_mlx.json)")
+                         f"{extension.schedule} x{extension.factor:g} (from pose_mlx.json)", config)
     base = int(original or cfg_original or 0)
     if schedule or target:
         if not target:
@@ -78,11 +79,11 @@ def load_eval_model(reference: str, schedule: str | None = None, target: str | N
         name = schedule or "linear"
         extend(model, name, base, length)
         return EvalModel(model, tokenizer, str(ref.path), base, length,
-                         f"{name} x{length / base:g} (--schedule, no training)")
+                         f"{name} x{length / base:g} (--schedule, no training)", config)
     maximum = config.get("max_position_embeddings") or base
     if not base or not maximum:
         raise UserError("--model: the config does not say the model's window; pass --original (and --lengths)")
-    return EvalModel(model, tokenizer, str(ref.path), base, int(maximum), "as configured")
+    return EvalModel(model, tokenizer, str(ref.path), base, int(maximum), "as configured", config)
 
 
 def _target_length(text: str, original: int) -> int:
@@ -183,81 +184,23 @@ def chunked_logits(model: nn.Module, tokens, chunk: int = DEFAULT_CHUNK) -> np.n
 # ------------------------------------------------------------------------------------------------ memory
 
 
-@dataclass
-class MemoryEstimate:
-    """Bytes an evaluation at one length needs (an estimate: activations of one chunk are not counted)."""
+def check_memory(info: "EvalModel", lengths: list[int], chunk: int, force: bool = False) -> str:
+    """The predicted peak of evaluating the longest length (`pose_mlx.memory.eval_memory`: weights, KV cache,
+    one chunk's scores, logits and activations) against the memory this machine offers: UserError above it, or
+    only a warning with `force`. Returns the prediction in words."""
+    from .memory import available_memory, eval_memory, format_size
 
-    length: int
-    weights: int
-    kv_cache: int
-    attention: int
-    logits: int
-
-    @property
-    def total(self) -> int:
-        return self.weights + self.kv_cache + self.attention + self.logits
-
-    def describe(self) -> str:
-        return (f"{_size(self.total)} at {self.length} tokens (weights {_size(self.weights)}, "
-                f"KV cache {_size(self.kv_cache)}, chunk attention {_size(self.attention)}, "
-                f"logits {_size(self.logits)})")
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
-
-
-def _arg(model, *names, default=None):
-    args = getattr(model, "args", None)
-    for name in names:
-        value = getattr(args, name, None)
-        if value:
-            return value
-    return default
-
-
-def estimate_memory(model: nn.Module, length: int, chunk: int = DEFAULT_CHUNK) -> MemoryEstimate:
-    """KV cache = 2 * layers * kv_heads * head_dim * length * bytes; attention = C * length * heads * 4."""
-    from mlx.utils import tree_flatten
-
-    params = tree_flatten(model.parameters())
-    weights = sum(p.nbytes for _, p in params)
-    itemsize = max((p.dtype.size for _, p in params if mx.issubdtype(p.dtype, mx.floating)), default=4)
-    heads = int(_arg(model, "num_attention_heads", "n_head", default=1))
-    kv_heads = int(_arg(model, "num_key_value_heads", "n_kv_heads", default=heads))
-    hidden = int(_arg(model, "hidden_size", "n_embd", "dim", default=heads))
-    head_dim = int(_arg(model, "head_dim", default=hidden // heads))
-    layers = len(getattr(model, "layers", [])) or int(_arg(model, "num_hidden_layers", "n_layer", default=1))
-    vocab = int(_arg(model, "vocab_size", default=0))
-    c = min(chunk, length)
-    return MemoryEstimate(
-        length=length,
-        weights=int(weights),
-        kv_cache=2 * layers * kv_heads * head_dim * length * itemsize,
-        attention=c * length * heads * 4,
-        logits=c * vocab * 4,
-    )
-
-
-def physical_memory() -> int | None:
-    """Bytes of RAM of this machine (os.sysconf), or None where unknown."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def check_memory(model: nn.Module, lengths: list[int], chunk: int, force: bool = False) -> MemoryEstimate:
-    """Estimate the longest length's memory; raise UserError (or only warn with `force`) above the RAM."""
-    estimate = estimate_memory(model, max(lengths), chunk)
-    ram = physical_memory()
-    if ram is not None and estimate.total > ram:
-        message = (f"--lengths: evaluation needs about {estimate.describe()}, more than this machine's "
-                   f"{ram / 2**30:.1f} GiB; use shorter --lengths or a smaller --chunk (or --force)")
+    estimate = eval_memory(info.config, max(lengths), chunk)
+    parts = ", ".join(f"{k.replace('_', ' ')} {format_size(v)}" for k, v in estimate.breakdown.items())
+    described = f"{format_size(estimate.peak)} at {max(lengths)} tokens ({parts})"
+    available, where = available_memory()
+    if estimate.peak > available:
+        message = (f"--lengths: evaluation needs about {described}, more than the {format_size(available)} this "
+                   f"machine offers ({where}); use shorter --lengths or a smaller --chunk (or --force)")
         if not force:
             raise UserError(message)
         print(f"warning: {message}", file=sys.stderr)
-    return estimate
+    return described
 
 
 # ---------------------------------------------------------------------------------------------------- CLI
@@ -303,7 +246,7 @@ def default_output(kind: str, info: EvalModel, given: str | None) -> Path:
 
 
 __all__ = [
-    "DEFAULT_CHUNK", "EvalModel", "MemoryEstimate", "bos_id", "check_chunk", "check_memory", "chunked_logits",
-    "chunked_nll", "default_output", "encode", "estimate_memory", "eval_parser", "load_eval_model", "physical_memory",
+    "DEFAULT_CHUNK", "EvalModel", "bos_id", "check_chunk", "check_memory", "chunked_logits",
+    "chunked_nll", "default_output", "encode", "eval_parser", "load_eval_model",
     "prefill", "resolve_lengths",
 ]

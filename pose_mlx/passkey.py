@@ -237,10 +237,10 @@ def main(argv=None) -> int:
             raise UserError(f"--lengths: the model's window {info.maximum} is shorter than the passkey "
                             f"template ({template} tokens); pass --lengths {2 ** (template - 1).bit_length()} "
                             "(or longer) to test beyond the window")
-    estimate = longctx.check_memory(info.model, lengths, args.chunk, args.force)
+    estimate = longctx.check_memory(info, lengths, args.chunk, args.force)
     build_prompt(info.tokenizer, longctx.bos_id(info.tokenizer), min(lengths), 0.5, 99_999)  # template fits?
     print(f"model {info.path}: schedule {info.schedule}; original window {info.original}, "
-          f"max {info.maximum}; memory estimate {estimate.describe()}", file=sys.stderr)
+          f"max {info.maximum}; memory estimate {estimate}", file=sys.stderr)
     trials, generator = run_passkey(info.model, info.tokenizer, lengths, args.trials, args.depths, args.seed,
                                     args.chunk, not args.no_progress)
     accuracy = accuracy_by_length(trials)

@@ -161,13 +161,13 @@ def main(argv=None) -> int:
         longctx.parse_lengths(args.lengths, 1)  # the grammar, before loading ('x' lengths need the model)
     info = longctx.load_eval_model(args.model, args.schedule, args.target, args.original)
     lengths = longctx.resolve_lengths(args.lengths, info)
-    estimate = longctx.check_memory(info.model, lengths, args.chunk, args.force)
+    estimate = longctx.check_memory(info, lengths, args.chunk, args.force)
     min_tokens = args.min_doc_tokens if args.min_doc_tokens is not None else max(lengths) - 1
     truncate = None if args.no_truncate else max(lengths) - 1
     docs = load_documents(args.data, info.tokenizer, min_tokens, args.docs, truncate)
     bos = longctx.bos_id(info.tokenizer)
     print(f"model {info.path}: schedule {info.schedule}; original window {info.original}, "
-          f"max {info.maximum}; memory estimate {estimate.describe()}", file=sys.stderr)
+          f"max {info.maximum}; memory estimate {estimate}", file=sys.stderr)
     results = perplexity(info.model, docs, lengths, args.stride, bos, args.chunk, not args.no_progress)
     name = info.name
     print(f"{METRIC}; stride {args.stride}; {len(docs)} documents")

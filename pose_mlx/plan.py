@@ -1,9 +1,15 @@
-"""The plan of a fine-tuning run: its settings resolved against the model's configuration (no weights are read)
-and every check that can be made before loading anything.
+"""The plan of a fine-tuning run, before a single weight is read: `python -m pose_mlx.plan` prints it, and
+`python -m pose_mlx.finetune` refuses a run whose plan does not hold.
+
+The run's settings are resolved against the model's configuration (config.json, a GGUF file's metadata, or only
+the config.json of a hub model) and every check that can be made before loading anything is made:
 
 - lengths: `original` (settings, alias, or the config), `target` (the length grammar, `8x` = 8 * original),
   the training `window` (default: original); target > original >= 2, 2 <= window <= target, chunks <= window;
 - the model: enough transformer blocks for `--lora-layers`;
+- memory: the predicted peak of a training step (`pose_mlx.memory`, from shapes and dtypes) must fit in
+  `--max-memory` (default: the memory this machine offers), else a one-line refusal with the change that fits
+  (`--force` runs anyway);
 - the output: `<output>` and its run folder `<output>.partial` may be written without destroying anything that
   pose_mlx did not write: never the model or data folder, a parent of them, or a folder inside the data (it would
   be read as training data); `--overwrite` only replaces folders that hold pose_mlx's own metadata;
@@ -23,12 +29,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .model import source
-from .training.distributed import World, init as init_world
-from .errors import UserError
+from . import memory
+from .errors import UserError, command
 from .lengths import parse_length
-from .training.lora import LoraSpec
+from .model import source
 from .settings import RUN_FILE, Invocation, RunSettings, run_folder, save_run_file, saved_world_size
+from .training.distributed import World, init as init_world
+from .training.lora import LoraSpec
 
 FINISHED_MARK = source.SCHEDULE_FILE  # a finished output holds pose_mlx.json
 UNFINISHED_MARK = RUN_FILE  # a run folder holds run.json
@@ -69,6 +76,8 @@ class RunPlan:
 def make_plan(invocation: Invocation) -> RunPlan:
     """Resolve and check everything about the run that needs no weights; takes the output's lock."""
     s = invocation.settings
+    if not s.target:
+        raise UserError("--target is required (e.g. 32k or 8x)")
     ref = source.resolve(s.model)
     config = source.read_config(ref)
     original = s.original or source.original_window(config, ref)
@@ -87,6 +96,8 @@ def make_plan(invocation: Invocation) -> RunPlan:
     if s.sampler in ("pose", "pose-ref") and s.chunks > window:
         raise UserError(f"--chunks {s.chunks} must be at most the window {window} (each chunk holds a token)")
     lora = None if s.full or s.sampler == "none" else _lora_spec(s, config)
+    if s.sampler != "none" and not s.force:
+        memory.check_fits(config, train_settings(s, window, target), memory_limit(s))
     label = Path(s.model.rstrip("/")).name.removesuffix(".gguf")  # the alias, the repo's or the folder's name
     output = Path(s.output).expanduser() if s.output else Path(f"{label}-{s.sampler}-{target}")
     plan = RunPlan(s, ref, config, original, target, window, output, run_folder(output), invocation.resume,
@@ -125,6 +136,18 @@ def _warn_about_scaling(s: RunSettings, config: dict, original: int, target: int
     if factor is not None and abs(float(factor) - target / original) > 1e-9 * target / original:
         print(f"warning: scaling factor {factor} differs from target/original = {target}/{original} = "
               f"{target / original:g}", file=sys.stderr)
+
+
+def train_settings(s: RunSettings, window: int, target: int) -> memory.TrainSettings:
+    """What the memory model needs of a run's settings."""
+    return memory.TrainSettings(window=window, batch_size=s.batch_size, lora=not s.full, lora_rank=s.lora_rank,
+                                lora_layers=s.lora_layers, grad_checkpoint=s.grad_checkpoint, compile=s.compile,
+                                grad_accum=s.grad_accum, method=s.sampler, target=target)
+
+
+def memory_limit(s: RunSettings) -> int:
+    """--max-memory in bytes, else what this machine offers."""
+    return memory.parse_size(s.max_memory) if s.max_memory else memory.available_memory()[0]
 
 
 def _lora_spec(s: RunSettings, config: dict) -> LoraSpec:
@@ -244,4 +267,147 @@ def _remove_leftovers(plan: RunPlan) -> None:
             leftover.unlink(missing_ok=True)
 
 
-__all__ = ["RunPlan", "lock_path", "make_plan", "take_lock"]
+# ------------------------------------------------------------------------------------- python -m pose_mlx.plan
+
+
+def _lengths(s: RunSettings, config: dict, ref: source.ModelRef) -> tuple[int, int | None]:
+    """(window, target) of the settings against the model's config, as `make_plan` resolves them; the target may
+    be left out, except for full-length sampling (PoSE's memory does not depend on it)."""
+    original = s.original or source.original_window(config, ref)
+    if original is None:
+        raise UserError("the model config does not say its window; pass --original")
+    if not s.target:
+        if s.sampler == "full":
+            raise UserError("--target is required with --sampler full (its rows have the target's length)")
+        return s.window or original, None
+    target = parse_length(s.target, original, "--target")
+    if target <= original:
+        raise UserError(f"--target {target} must be larger than the original window {original}")
+    window = s.window or original
+    if window > target:
+        raise UserError(f"--window {window} must be at most the target {target}")
+    return window, target
+
+
+_ROWS = (
+    ("weights", "weights"),
+    ("lora_adapters", "LoRA adapters"),
+    ("optimizer_state", "AdamW state (m, v)"),
+    ("gradients", "gradients"),
+    ("activations", "activations"),
+    ("attention_scores", "attention scores"),
+    ("logits", "logits + loss"),
+    ("backward_temporaries", "backward temporaries"),
+    ("update_temporaries", "update temporaries"),
+)
+
+
+def _describe_run(s: memory.TrainSettings, plan: memory.Plan) -> str:
+    d = plan.estimate.details
+    mode = (f"LoRA rank {s.lora_rank} on {d['trained_blocks']} blocks" if s.lora else "full fine-tuning")
+    sampler = (f"full-length rows of {s.target} tokens" if s.method == "full"
+               else f"{s.method} window {s.window}" + (f" (target {s.target})" if s.target else ""))
+    extras = [f"batch {s.batch_size}" + (f" x {s.grad_accum} accumulated" if s.grad_accum > 1 else ""),
+              "compiled" if s.compile else "eager", "gradient checkpointing" if s.grad_checkpoint else "no checkpointing"]
+    return f"{mode}, {sampler}, {', '.join(extras)}"
+
+
+def render(plan: memory.Plan, arch: memory.Architecture, model: str, source: str) -> str:
+    """The human-readable report."""
+    est, d = plan.estimate, plan.estimate.details
+    lines = [f"model: {model} ({arch.describe()})", f"run:   {_describe_run(plan.settings, plan)}", ""]
+    notes = {
+        "weights": f"{memory.format_count(d['parameters'])} parameters, {d['dtype']}"
+                   + (f" ({arch.quant_bits}-bit)" if arch.quant_bits else ""),
+        "lora_adapters": f"{memory.format_count(d['trainable_parameters'])} trainable (float32)" if plan.settings.lora else "",
+        "optimizer_state": "two moments per trainable parameter",
+        "activations": f"{memory.format_size(d['activation_bytes_per_block'])} per block at {d['tokens_per_row']} "
+                       f"tokens x {plan.settings.batch_size}",
+        "attention_scores": f"{memory.format_size(d['score_matrix_bytes'])} per score matrix (batch x heads x L x L)",
+        "logits": f"{memory.format_size(d['logits_bytes'])} per copy (batch x L x vocabulary, float32)",
+    }
+    for key, label in _ROWS:
+        value = est.breakdown.get(key, 0)
+        if value or key in ("weights", "activations"):
+            lines.append(f"  {label:<22} {memory.format_size(value):>11}   {notes.get(key, '')}".rstrip())
+    lines.append(f"  {'peak':<22} {memory.format_size(est.peak):>11}   during the {est.phase} phase")
+    lines.append("")
+    lines.append(f"available: {memory.format_size(plan.available)} ({source})")
+    if plan.fits:
+        lines.append(f"verdict: fits ({memory.format_size(plan.available - est.peak)} to spare)")
+    else:
+        lines.append(f"verdict: does NOT fit ({memory.format_size(est.peak - plan.available)} more than available)")
+    batch = str(plan.largest_batch) if plan.largest_batch else "none"
+    window = "" if plan.settings.method == "full" else f"; largest window: {plan.largest_window or 'none'}"
+    lines.append(f"largest batch that fits: {batch}{window}")
+    if plan.suggestions:
+        lines.append("changes and their predicted peaks:")
+        for s in plan.suggestions:
+            mark = "fits" if s["fits"] else "does not fit"
+            lines.append(f"  {s['change']:<62} {memory.format_size(s['peak_bytes']):>11}   {mark}")
+    for warning in d["warnings"]:
+        lines.append(f"warning: {warning}")
+    return "\n".join(lines)
+
+
+def _parser():
+    from .settings import build_parser
+
+    parser = build_parser()
+    parser.prog = "python -m pose_mlx.plan"
+    parser.description = ("Predict the peak memory of `python -m pose_mlx.finetune` with the same flags, from the\n"
+                          "model's configuration alone (nothing is loaded or trained; --data is not needed).")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    return parser
+
+
+def planned_run(argv) -> tuple[RunSettings, source.ModelRef, dict, memory.TrainSettings]:
+    """What `python -m pose_mlx.plan` plans for finetune's flags `argv` (flags it does not use are left out with a
+    note): the settings, the model reference, its configuration (no weights are read) and the memory model's view
+    of the run."""
+    from .settings import parse_invocation
+
+    parser = _parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        print(f"note: ignoring flags the planner does not use: {' '.join(unknown)}", file=sys.stderr)
+    known = [a for a in argv if a not in unknown and a != "--json"]
+    s = parse_invocation(known).settings
+    if s.sampler == "none":
+        raise UserError("--sampler none trains nothing: there is no training step to plan")
+    ref = source.resolve(s.model, weights=False)
+    config = source.read_config(ref)
+    window, target = _lengths(s, config, ref)
+    if not s.full:
+        _lora_spec(s, config)
+    return s, ref, config, train_settings(s, window, target)
+
+
+@command("pose_mlx.plan")
+def main(argv=None) -> int:
+    from dataclasses import asdict
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    s, ref, config, settings = planned_run(argv)
+    arch = memory.architecture(config)
+    available, where = ((memory.parse_size(s.max_memory), "--max-memory") if s.max_memory
+                        else memory.available_memory())
+    plan = memory.make_plan(arch, settings, available)
+    if "--json" in argv:
+        record = {**plan.as_dict(), "available_source": where, "model": s.model,
+                  "architecture": {k: v for k, v in asdict(arch).items() if k not in ("spec", "warnings")},
+                  "settings": asdict(settings), "warnings": list(arch.warnings)}
+        print(json.dumps(record, indent=1))
+    else:
+        for warning in arch.warnings:
+            print(f"warning: {warning}", file=sys.stderr)
+        print(render(plan, arch, s.model, where))
+    return 0
+
+
+__all__ = ["RunPlan", "lock_path", "main", "make_plan", "memory_limit", "planned_run", "render", "take_lock",
+           "train_settings"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -294,14 +294,14 @@ def main(argv=None) -> int:
         raise UserError(f"--lengths: {max(lengths)} is beyond the model's window of {info.maximum} tokens; "
                         "extend it with --schedule/--target, or pass --force to test beyond the window")
     answer = args.max_new_tokens or max(TASKS[t].max_new_tokens for t in tasks)
-    estimate = longctx.check_memory(info.model, [max(lengths) + answer], args.chunk, args.force)
+    estimate = longctx.check_memory(info, [max(lengths) + answer], args.chunk, args.force)
     builder = PromptBuilder(info.tokenizer, args.samples, args.seed, args.depths, args.haystack,
                             False if args.no_chat else None)
     for task in tasks:  # every template fits the shortest length (else a UserError names the task)
         builder.sample(task, min(lengths), 0)
     print(f"model {info.path}: schedule {info.schedule}; original window {info.original}, max "
           f"{info.maximum}; {'chat template' if builder.fmt.chat else 'plain prompts'}; memory estimate "
-          f"{estimate.describe()}", file=sys.stderr)
+          f"{estimate}", file=sys.stderr)
     run = run_ruler(info.model, info.tokenizer, lengths, tasks, args.samples, args.seed, chunk=args.chunk,
                     max_new_tokens=args.max_new_tokens, show_progress=not args.no_progress, builder=builder)
     print(f"RULER synthetic tasks, {args.samples} samples per task and length, greedy answers; score = fraction of "

@@ -478,8 +478,6 @@ def validate(s: RunSettings) -> None:
         raise UserError(f"--heldout must be between 0 and 1 (a fraction of the documents), got {s.heldout}")
     if not s.model:
         raise UserError("--model is required (a folder, a .gguf file, a hub id or an alias)")
-    if not s.target:
-        raise UserError("--target is required (e.g. 32k or 8x)")
     if s.sampler not in RUN_SAMPLERS:
         raise UserError(f"--sampler {s.sampler!r} is not one of {', '.join(RUN_SAMPLERS)}")
     if s.content not in CONTENT:
@@ -488,6 +486,10 @@ def validate(s: RunSettings) -> None:
         close = difflib.get_close_matches(s.schedule, SCHEDULES, n=1)
         raise UserError(f"--schedule {s.schedule!r} is not a known schedule"
                         + (f"; did you mean '{close[0]}'?" if close else f" ({', '.join(SCHEDULES)})"))
+    if s.max_memory is not None:
+        from .memory import parse_size
+
+        parse_size(s.max_memory)
     params = dict(s.schedule_params)
     factor = params.pop("factor", 2.0)
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (math.isfinite(factor) and factor >= 1):

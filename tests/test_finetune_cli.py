@@ -278,3 +278,23 @@ def test_mlx_lm_yaml_keys_mean_the_same_here(tiny_model, text_dir, tmp_path, cap
     cfg.write_text(f"model: {tiny_model}\ntarget: 4x\nlearning_rat: 1e-4\n")
     code, err = run_cli(capsys, "--config", cfg)
     assert code == 2 and "did you mean 'learning_rate'" in err
+
+
+def test_max_memory_refuses_before_loading_and_force_overrides(tiny_model, text_dir, tmp_path, capsys, monkeypatch):
+    """A run predicted above --max-memory stops before any weight is read, naming the peak and a change; --force
+    runs it anyway. The default limit is what this machine offers."""
+    import pose_mlx.model.source as source
+    import pose_mlx.memory as memory
+
+    loads = []
+    real_load = source.load
+    monkeypatch.setattr(source, "load", lambda *a, **k: loads.append(a) or real_load(*a, **k))
+    args = ["--model", tiny_model, "--target", "4x", "--data", text_dir, "--cache-dir", tmp_path / "c", *FAST]
+    code, err = run_cli(capsys, *args, "--output", tmp_path / "a", "--max-memory", "64KB")
+    assert code == 2 and "needs about" in err and "more than 64 KiB" in err and "--force" in err
+    assert loads == [] and not (tmp_path / "a").exists()
+    code, err = run_cli(capsys, *args, "--output", tmp_path / "b", "--max-memory", "64KB", "--force")
+    assert code == 0, err
+    monkeypatch.setattr(memory, "available_memory", lambda: (2**16, "test"))
+    code, err = run_cli(capsys, *args, "--output", tmp_path / "d")
+    assert code == 2 and "more than 64 KiB" in err

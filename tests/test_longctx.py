@@ -55,24 +55,19 @@ def test_chunked_nll_is_log_softmax_of_the_full_forward():
     np.testing.assert_allclose(got, expected, atol=1e-4)
 
 
-def test_memory_estimate_follows_the_formula():
-    model = build_model("llama")  # 2 layers, 2 kv heads, head_dim 32/4 = 8, 4 heads, vocab 97, fp32
-    est = longctx.estimate_memory(model, length=1000, chunk=100)
-    n_params = sum(v.size for _, v in __import__("mlx.utils", fromlist=["x"]).tree_flatten(model.parameters()))
-    assert est.weights == 4 * n_params
-    assert est.kv_cache == 2 * 2 * 2 * 8 * 1000 * 4
-    assert est.attention == 100 * 1000 * 4 * 4
-    assert est.logits == 100 * 97 * 4
-    assert est.total == est.weights + est.kv_cache + est.attention + est.logits
+def test_check_memory_refuses_or_warns_above_what_the_machine_offers(tmp_path, monkeypatch, capsys):
+    """The planner's evaluation prediction against the available memory: refused in one line, or a warning with
+    --force."""
+    import pose_mlx.memory as memory
 
-
-def test_check_memory_refuses_or_warns_above_ram(monkeypatch, capsys):
-    model = build_model("llama")
-    monkeypatch.setattr(longctx, "physical_memory", lambda: 10_000)
-    with pytest.raises(UserError, match="GiB"):
-        longctx.check_memory(model, [64, 4096], chunk=64)
-    longctx.check_memory(model, [4096], chunk=64, force=True)
-    assert "warning" in capsys.readouterr().err
+    info = longctx.load_eval_model(str(make_eval_folder(tmp_path / "m", max_position_embeddings=64)))
+    monkeypatch.setattr(memory, "available_memory", lambda: (10_000, "test"))
+    with pytest.raises(UserError, match=r"more than the 9.77 KiB this machine offers \(test\)"):
+        longctx.check_memory(info, [64, 4096], chunk=64)
+    described = longctx.check_memory(info, [4096], chunk=64, force=True)
+    assert "warning" in capsys.readouterr().err and "at 4096 tokens" in described
+    expected = memory.eval_memory(info.config, 4096, 64).peak
+    assert memory.format_size(expected) in described
 
 
 def test_load_eval_model_reads_windows_from_config(tmp_path):

@@ -1,0 +1,675 @@
+"""How much memory a fine-tuning run (or an evaluation) will take, from the model's config.json alone.
+
+PoSE's premise is that training memory depends on the training window, not on the target length; this module
+turns that into numbers before a single weight is loaded. Inputs are shapes and dtypes only (a Hugging Face
+style config dict and the run's settings); nothing here imports MLX at module level.
+
+One training step (what `pose_mlx.train` logs as `peak_memory_gb`, from the second step on, once the AdamW
+state exists) peaks at
+
+    weights + LoRA adapters + AdamW state (2 x trainable x their bytes) + max(head, backward, update)
+
+with n trained blocks, T = batch x tokens per row (window - 1 with PoSE, target - 1 with full-length sampling),
+c the bytes of the compute dtype and S = batch x heads x L^2 x c, one attention-score matrix (MLX differentiates
+attention through the unfused softmax(Q K^T / sqrt(d)) V, on the CPU and on Metal, so the backward keeps it):
+
+- saved(block), what a block keeps for its backward: T c (2 hidden: the residual stream in and after attention;
+  2 q_dims: q after RoPE, the attention output; 2 kv_dims: k after RoPE, v; 5 intermediate: gate, up, sigmoid,
+  SiLU, product) + 8 T hidden bytes per norm (MLX's RMSNorm keeps a float32 normalized copy and its output)
+  + S (the softmax output) + 4 T rank per LoRA adapter (x A). With gradient checkpointing: the block input only.
+- kept(block), what a block already differentiated still holds: MLX's evaluator orders the graph so that the
+  weight (or LoRA) gradient products come last, at the end of the backward; until then they hold their inputs
+  and output gradients, f T c (sum of the linear layers' outputs + 2 hidden + q_dims + intermediate) + extras.
+- head = n saved + 4 T vocab x 4 bytes (the float32 logits, the log-sum-exp's and softmax's temporaries, the
+  logits' gradient) + a working set of T-sized arrays (the first block gradients, already allocated).
+- backward = max over k of (k saved + (n - k) kept) + 2 S (the softmax gradient and its temporary) + a working
+  set of T-sized arrays; with checkpointing the block being differentiated is recomputed: its saved() returns.
+- update (full fine-tuning) = gradients + AdamW's temporaries, 4 arrays for each parameter in flight.
+
+Why working sets: MLX's CPU evaluator allocates the outputs of up to ~50 queued operations before the earlier
+ones have run and freed their inputs, so several temporaries are alive at once (a compiled update fuses each
+parameter's AdamW step into few operations, hence more parameters in flight). Their counts (`COUNTS`: per
+hidden- and intermediate-sized activation, per score matrix, per parameter) were measured on small llamas with
+the CPU backend; `benchmarks/bench_plan.py` checks the whole model on other models and settings. Metal fuses
+RMSNorm and the loss, so there the prediction errs high. Families other than llama map onto the same terms
+(extra norms, q/k norms, fused projections, biases); a family this module does not know is estimated from the
+config's shapes as a llama-style block, with a warning.
+
+`eval_memory` predicts chunked-prefill evaluation (`pose_mlx.perplexity`, `pose_mlx.passkey`); `make_plan` and
+`check_fits` compare a prediction with the memory available (`available_memory`, `parse_size`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, field, replace
+
+from .errors import UserError
+
+GiB = 2**30
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+#: Keys every config must have (the planner names the missing ones).
+REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "vocab_size")
+
+
+# ------------------------------------------------------------------------------------------- architecture
+
+
+@dataclass(frozen=True)
+class Family:
+    """How mlx-lm builds one model family's blocks (what differs from llama)."""
+
+    head_dim_from_config: bool = True  # else hidden / heads (qwen2, phi3, starcoder2 ignore head_dim)
+    tie_default: bool | None = True  # mlx-lm's default when the config has no tie_word_embeddings; None: required
+    always_tied: bool = False  # gemma, gemma2: the output layer is the embedding
+    bias_keys: bool = False  # llama/olmo2 read attention_bias / mlp_bias from the config
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    fused_qkv: bool = False  # phi3: one qkv_proj
+    fused_gate_up: bool = False  # phi3: one gate_up_proj
+    gated: bool = True  # gate * up MLP (False: starcoder2's c_fc -> gelu -> c_proj)
+    block_norms: int = 2  # RMSNorms (or LayerNorms) of hidden size per block
+    norm_bias: bool = False  # LayerNorm (starcoder2)
+    qk_norm: str = ""  # "head": q_norm/k_norm of head_dim (qwen3); "proj": of q/kv dims (olmo2)
+    softcap: bool = False  # gemma2: tanh soft-capping of scores and logits (more score-sized temporaries)
+
+
+FAMILIES = {
+    "llama": Family(bias_keys=True),
+    "mistral": Family(bias_keys=True),  # mlx-lm builds it with the llama module
+    "qwen2": Family(head_dim_from_config=False, qkv_bias=True),
+    "qwen3": Family(tie_default=None, qk_norm="head"),
+    "gemma": Family(always_tied=True),
+    "gemma2": Family(always_tied=True, block_norms=4, softcap=True),
+    "phi3": Family(head_dim_from_config=False, tie_default=False, fused_qkv=True, fused_gate_up=True),
+    "starcoder2": Family(head_dim_from_config=False, qkv_bias=True, o_bias=True, mlp_bias=True, gated=False,
+                         norm_bias=True),
+    "olmo2": Family(bias_keys=True, qk_norm="proj"),
+}
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One linear layer of a block: mlx-lm's module key, input and output features, bias."""
+
+    key: str
+    inputs: int
+    outputs: int
+    bias: bool = False
+
+    @property
+    def parameters(self) -> int:
+        return self.inputs * self.outputs + (self.outputs if self.bias else 0)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """The shapes that decide memory, read from a config.json (`architecture(config)`)."""
+
+    family: str
+    known: bool
+    hidden: int
+    layers: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    dtype: str  # of the unquantized parameters (and of the activations)
+    quant_bits: int | None = None
+    quant_group: int | None = None
+    spec: Family = field(default_factory=Family)
+    warnings: tuple = ()
+
+    @property
+    def q_dims(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dims(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    def block_linears(self) -> list[Linear]:
+        """The linear layers of one block, named as mlx-lm names them (these are LoRA's default keys)."""
+        f, d, i = self.spec, self.hidden, self.intermediate
+        qkv_bias, o_bias, mlp_bias = f.qkv_bias, f.o_bias, f.mlp_bias
+        if f.fused_qkv:
+            attn = [Linear("self_attn.qkv_proj", d, self.q_dims + 2 * self.kv_dims, qkv_bias)]
+        else:
+            attn = [Linear("self_attn.q_proj", d, self.q_dims, qkv_bias),
+                    Linear("self_attn.k_proj", d, self.kv_dims, qkv_bias),
+                    Linear("self_attn.v_proj", d, self.kv_dims, qkv_bias)]
+        attn.append(Linear("self_attn.o_proj", self.q_dims, d, o_bias))
+        if not f.gated:
+            mlp = [Linear("mlp.c_fc", d, i, mlp_bias), Linear("mlp.c_proj", i, d, mlp_bias)]
+        elif f.fused_gate_up:
+            mlp = [Linear("mlp.gate_up_proj", d, 2 * i, mlp_bias), Linear("mlp.down_proj", i, d, mlp_bias)]
+        else:
+            mlp = [Linear("mlp.gate_proj", d, i, mlp_bias), Linear("mlp.up_proj", d, i, mlp_bias),
+                   Linear("mlp.down_proj", i, d, mlp_bias)]
+        return attn + mlp
+
+    def block_norm_parameters(self) -> int:
+        n = self.spec.block_norms * self.hidden * (2 if self.spec.norm_bias else 1)
+        if self.spec.qk_norm == "head":
+            n += 2 * self.head_dim
+        elif self.spec.qk_norm == "proj":
+            n += self.q_dims + self.kv_dims
+        return n
+
+    def parameter_counts(self) -> dict:
+        """Exact parameter counts of the model mlx-lm builds from this config (the unquantized shapes)."""
+        block_linear = sum(lin.parameters for lin in self.block_linears())
+        block = block_linear + self.block_norm_parameters()
+        embedding = self.vocab * self.hidden
+        lm_head = 0 if self.tied else self.vocab * self.hidden
+        final_norm = self.hidden * (2 if self.spec.norm_bias else 1)
+        total = embedding + lm_head + final_norm + self.layers * block
+        return {"embedding": embedding, "lm_head": lm_head, "final_norm": final_norm, "block": block,
+                "block_linear": block_linear, "blocks": self.layers * block, "total": total}
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights as loaded: the config's dtype, or mlx-lm's quantized layout (packed uint32
+        weights of `bits` per value plus one scale and one bias per `group_size` values, in the dtype)."""
+        counts = self.parameter_counts()
+        c = self.dtype_bytes
+        if not self.quant_bits:
+            return counts["total"] * c
+        matrices = [(lin.inputs, lin.outputs) for lin in self.block_linears()] * self.layers
+        matrices.append((self.hidden, self.vocab))  # embedding (its rows are quantized like a linear's)
+        if not self.tied:
+            matrices.append((self.hidden, self.vocab))
+        quantized = sum(self._quantized_bytes(n_in, n_out) for n_in, n_out in matrices)
+        plain = counts["total"] - sum(n_in * n_out for n_in, n_out in matrices)  # norms and biases
+        return quantized + plain * c
+
+    def _quantized_bytes(self, n_in: int, n_out: int) -> int:
+        if n_in % self.quant_group:  # mlx-lm leaves layers it cannot group unquantized
+            return n_in * n_out * self.dtype_bytes
+        return n_out * n_in * self.quant_bits // 8 + 2 * n_out * (n_in // self.quant_group) * self.dtype_bytes
+
+    def describe(self) -> str:
+        quant = f", {self.quant_bits}-bit (group {self.quant_group})" if self.quant_bits else ""
+        return (f"{self.family}{'' if self.known else ' (unknown family)'}: {self.layers} blocks, hidden "
+                f"{self.hidden}, {self.heads} heads ({self.kv_heads} kv) x {self.head_dim}, intermediate "
+                f"{self.intermediate}, vocabulary {self.vocab}, {self.dtype}{quant}")
+
+
+def _dtype(config: dict) -> tuple[str, str | None]:
+    """(dtype, warning) from torch_dtype / dtype; 16-bit with a warning when absent."""
+    raw = config.get("torch_dtype") or config.get("dtype")
+    if raw is None:
+        return "float16", "config.json names no torch_dtype; assuming 16-bit weights"
+    name = str(raw).replace("torch.", "")
+    if name not in DTYPE_BYTES:
+        raise UserError(f"config.json: torch_dtype {raw!r} is not one of {', '.join(DTYPE_BYTES)}")
+    return name, None
+
+
+def _positive_int(config: dict, key: str) -> int:
+    value = config.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise UserError(f"config.json: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def architecture(config: dict) -> Architecture:
+    """The memory-relevant shapes of a model config (HF config.json keys, mlx-lm's `quantization`).
+
+    Raises UserError naming the missing or malformed keys. A model_type this module does not know is
+    estimated as a llama-style block, with a warning in `Architecture.warnings`.
+    """
+    if not isinstance(config, dict):
+        raise UserError("config.json must hold a JSON object")
+    text = config.get("text_config")
+    if isinstance(text, dict) and "hidden_size" not in config:  # multimodal wrappers keep the LM here
+        config = {**config, **text}
+    missing = [k for k in REQUIRED_KEYS if k not in config]
+    if missing:
+        raise UserError(f"config.json lacks {', '.join(missing)} (needed to estimate memory)")
+    hidden, layers, inter, heads, vocab = (_positive_int(config, k) for k in REQUIRED_KEYS)
+    kv_heads = _positive_int(config, "num_key_value_heads") if config.get("num_key_value_heads") is not None else heads
+    if heads % kv_heads:
+        raise UserError(f"config.json: num_key_value_heads {kv_heads} does not divide num_attention_heads {heads}")
+    model_type = str(config.get("model_type") or "unknown")
+    known = model_type in FAMILIES
+    spec = FAMILIES.get(model_type, FAMILIES["llama"])
+    warnings = []
+    if not known:
+        warnings.append(f"model_type {model_type!r} is not a family the planner knows; its parameters and "
+                        "activations are estimated from the config's shapes as a llama-style block")
+    if spec.bias_keys:
+        spec = replace(spec, qkv_bias=bool(config.get("attention_bias", False)),
+                       o_bias=bool(config.get("attention_bias", False)), mlp_bias=bool(config.get("mlp_bias", False)))
+    if spec.head_dim_from_config and config.get("head_dim"):
+        head_dim = _positive_int(config, "head_dim")
+    else:
+        if hidden % heads:
+            raise UserError(f"config.json: hidden_size {hidden} is not a multiple of num_attention_heads {heads}; "
+                            "give head_dim")
+        head_dim = hidden // heads
+    if spec.always_tied:
+        tied = True
+    elif "tie_word_embeddings" in config:
+        tied = bool(config["tie_word_embeddings"])
+    elif spec.tie_default is None:
+        raise UserError(f"config.json lacks tie_word_embeddings (required for {model_type})")
+    else:
+        tied = spec.tie_default
+    dtype, warning = _dtype(config)
+    if warning:
+        warnings.append(warning)
+    bits = group = None
+    quant = config.get("quantization") or config.get("quantization_config")
+    if isinstance(quant, dict) and quant.get("bits"):
+        bits, group = int(quant["bits"]), int(quant.get("group_size", 64))
+        if bits not in (2, 3, 4, 5, 6, 8) or group <= 0:
+            raise UserError(f"config.json: quantization bits={bits}, group_size={group} is not a layout mlx-lm writes")
+    return Architecture(model_type, known, hidden, layers, inter, heads, kv_heads, head_dim, vocab, tied, dtype,
+                        bits, group, spec, tuple(warnings))
+
+
+# ------------------------------------------------------------------------------------------- the run
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """What of a fine-tuning run decides its memory (`python -m pose_mlx.finetune`'s flags)."""
+
+    window: int  # the training window Lc (PoSE trains on this many tokens per row)
+    batch_size: int = 1
+    lora: bool = True  # False: full fine-tuning
+    lora_rank: int = 8
+    lora_layers: int = -1  # LoRA in the last N blocks (-1: all)
+    lora_keys: tuple | None = None  # None: mlx-lm's default, every linear layer of a block
+    grad_checkpoint: bool = False
+    compile: bool = True
+    grad_accum: int = 1
+    method: str = "pose"  # "full": full-length sampling, rows of `target` tokens
+    target: int | None = None
+
+    def __post_init__(self):
+        for name in ("window", "batch_size", "lora_rank", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise UserError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.method == "full" and not self.target:
+            raise UserError("full-length sampling (--method full) needs the target length")
+
+    @property
+    def row_tokens(self) -> int:
+        """Tokens per row the model sees: inputs are a window (or, for --method full, the target) minus the
+        last token, which is only a label."""
+        length = self.target if self.method == "full" else self.window
+        return max(int(length) - 1, 1)
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Arrays alive at once beyond the structural terms, in units of one activation of the given shape.
+
+    `kept`: per block already differentiated, beyond the inputs and output gradients of its linear layers
+    (T*hidden, T*intermediate); `head`: (T*vocab in fp32, T*hidden, T*intermediate); `backward`: one block's
+    working set (score matrices S, T*hidden, T*intermediate); `update`: parameters whose AdamW update is in
+    flight at once (4 arrays of their size each).
+    """
+
+    kept: tuple = (0, 0)
+    head: tuple = (4, 8, 6)
+    backward: tuple = (2, 20, 6)
+    update: int = 5
+    gradients: tuple = (0, 0)  # full fine-tuning: (embedding-sized at the head, block-sized in the backward)
+    kept_fraction: float = 1.0  # of the linear layers' inputs and output gradients still waiting
+    checkpointed: tuple = (0, 0, 0)  # with checkpointing, per block beyond its input (T*hidden, T*inter, S)
+
+
+#: Measured on small llamas with MLX's CPU backend (fp32; 1-12 blocks, hidden 32-1024, windows 64-768, batch
+#: 1-4, vocabulary 512-32768; 450 runs), (lora, compile, grad_checkpoint) -> counts. Checkpointing under
+#: mx.compile keeps little per block (layer sweeps: about one hidden- and one intermediate-sized array).
+COUNTS = {
+    (True, False, False): Counts(head=(4, 6, 6), backward=(2, 16.5, 6), update=5),
+    (True, True, False): Counts(head=(4, 8.5, 8), backward=(2, 25, 6.5), update=41),
+    (True, False, True): Counts(kept=(3.5, 2.5), head=(4, 5.5, 6.5), backward=(2, 14.5, 8.5), update=5,
+                                kept_fraction=0.6),
+    (True, True, True): Counts(kept=(1, 1), head=(4, 15, 12.5), backward=(2.5, 24, 9), update=41,
+                               kept_fraction=0, checkpointed=(2, 0, 0)),
+    (False, False, False): Counts(head=(4, 17.5, 3.5), backward=(2, 39.5, 3.5), update=13.5),
+    (False, True, False): Counts(head=(4, 41.5, 3), backward=(2, 49.5, 3.5), update=40),
+    (False, False, True): Counts(kept=(6.5, 2.5), head=(4, 42, 10), backward=(2, 35.5, 4.5), update=8.5,
+                                 kept_fraction=0.7),
+    (False, True, True): Counts(kept=(4.5, 3), head=(4, 48, 0), backward=(2.5, 40.5, 2.5), update=40.5,
+                                gradients=(0.5, 0), kept_fraction=0, checkpointed=(4, 0, 0)),
+}
+
+
+@dataclass
+class Estimate:
+    """Predicted peak bytes of one training step (or an evaluation), split into what is alive at the peak."""
+
+    peak: int
+    phase: str  # where the peak is: "head" (logits), "backward", "update" (full fine-tuning), "eval"
+    breakdown: dict  # component -> bytes alive at the peak; they sum to `peak`
+    details: dict  # parameter counts, per-block bytes, the other phases' peaks
+
+    def as_dict(self) -> dict:
+        return {"peak_bytes": self.peak, "phase": self.phase, "breakdown": dict(self.breakdown),
+                "details": dict(self.details)}
+
+
+def _lora_shapes(arch: Architecture, settings: TrainSettings) -> tuple[int, list[Linear]]:
+    """(blocks with adapters, the linear layers that get one)."""
+    linears = arch.block_linears()
+    if settings.lora_keys is not None:
+        unknown = sorted(set(settings.lora_keys) - {lin.key for lin in linears})
+        if unknown:
+            raise UserError(f"LoRA keys {', '.join(unknown)} are not linear layers of a {arch.family} block "
+                            f"({', '.join(lin.key for lin in linears)})")
+        linears = [lin for lin in linears if lin.key in settings.lora_keys]
+    blocks = arch.layers if settings.lora_layers < 0 else settings.lora_layers
+    if not 1 <= blocks <= arch.layers:
+        raise UserError(f"--lora-layers {settings.lora_layers} must be between 1 and the model's {arch.layers} "
+                        "blocks (or -1 for all)")
+    return blocks, linears
+
+
+def _mlp_saved(arch: Architecture) -> int:
+    """T x intermediate arrays an MLP keeps for its backward: gate, up, sigmoid, silu, product (SwiGLU);
+    gemma's GELU keeps its erf terms too; a plain MLP keeps its input and activation."""
+    if not arch.spec.gated:
+        return 3
+    return 6 if arch.family in ("gemma", "gemma2") else 5
+
+
+def training_memory(config: dict | Architecture, settings: TrainSettings) -> Estimate:
+    """Peak bytes of one training step of `settings` on the model of `config` (second and later steps,
+    when the AdamW state exists): see the module docstring for the terms."""
+    arch = config if isinstance(config, Architecture) else architecture(config)
+    if not settings.lora and arch.quant_bits:
+        raise UserError("full fine-tuning cannot train a quantized model; use LoRA (--lora) or an unquantized base")
+    counts = COUNTS[(settings.lora, settings.compile, settings.grad_checkpoint)]
+    c = arch.dtype_bytes
+    params = arch.parameter_counts()
+    weights = arch.weight_bytes()
+    B, L = settings.batch_size, settings.row_tokens
+    T = B * L
+    td, tq, tkv, ti = T * arch.hidden * c, T * arch.q_dims * c, T * arch.kv_dims * c, T * arch.intermediate * c
+    tv = T * arch.vocab * 4  # logits are cast to float32 for the loss
+    score = B * arch.heads * L * L * c
+
+    if settings.lora:
+        trained_blocks, linears = _lora_shapes(arch, settings)
+        adapter_params = trained_blocks * settings.lora_rank * sum(lin.inputs + lin.outputs for lin in linears)
+        lora_bytes, trainable, param_bytes = adapter_params * 4, adapter_params, 4  # adapters are float32
+        arrays = 2 * trained_blocks * len(linears)
+        lora_tokens = len(linears) * T * settings.lora_rank * 4  # x @ A, kept for B's gradient
+        if c < 4:  # float32 adapters promote their input: each keeps a float32 copy for A's gradient
+            lora_tokens += 4 * T * sum(lin.inputs for lin in linears)
+    else:
+        trained_blocks, lora_bytes, trainable, param_bytes, lora_tokens = arch.layers, 0, params["total"], c, 0
+        linears = arch.block_linears()
+        per_block = len(linears) + sum(lin.bias for lin in linears)
+        per_block += arch.spec.block_norms * (2 if arch.spec.norm_bias else 1) + (2 if arch.spec.qk_norm else 0)
+        arrays = arch.layers * per_block + 2 + (0 if arch.tied else 1) + (1 if arch.spec.norm_bias else 0)
+    optimizer = 2 * trainable * param_bytes
+    gradients = trainable * param_bytes
+    n = trained_blocks
+
+    # what one block keeps for its backward (module docstring), split into scores and the rest
+    norms = arch.spec.block_norms
+    qk = 8 * (tq + tkv) // c if arch.spec.qk_norm else 0  # q/k norms keep their normalized input and output
+    block_saved = 2 * td + norms * 8 * td // c + 2 * tq + 2 * tkv + _mlp_saved(arch) * ti + qk + lora_tokens
+    block_scores = score * (2 if arch.spec.softcap else 1)
+    if settings.grad_checkpoint:  # the block input stays; the block being differentiated is recomputed
+        cd, ci, cs = counts.checkpointed
+        saved, saved_scores, recompute, recompute_scores = td + cd * td + ci * ti, cs * score, block_saved, block_scores
+    else:
+        saved, saved_scores, recompute, recompute_scores = block_saved, block_scores, 0, 0
+    # the inputs and output gradients of a block's linear layers wait for the (last) weight-gradient products
+    # (distinct inputs: the two norm outputs, the attention output and the MLP's product)
+    # (LoRA: the adapters' output gradients are float32, and so are their promoted inputs)
+    out_bytes = 4 if settings.lora else c
+    kept = T * (out_bytes * sum(lin.outputs for lin in linears)
+                + c * (2 * arch.hidden + arch.q_dims + arch.intermediate)) + (lora_tokens if c < 4 else 0)
+    kept = int(counts.kept_fraction * kept)
+    kd, ki = counts.kept
+    kept += kd * td + ki * ti
+    hv, hd, hi = counts.head
+    head_logits = hv * tv + (T * arch.vocab * c if c < 4 else 0) + (2 * tv if arch.spec.softcap else 0)
+    # working sets: in a 16-bit model about half of these temporaries are float32 (RMSNorm, RoPE, loss, LoRA)
+    wide = (c + 4) / (2 * c)
+    head_rest = wide * (hd * td + hi * ti)
+    bs, bd, bi = counts.backward
+    work_scores, work_rest = bs * score, wide * (bd * td + bi * ti)
+    if not settings.lora:  # weight gradients already allocated by the evaluator running ahead
+        ge, gb = counts.gradients
+        head_rest += int(ge * params["embedding"] * c)
+        work_rest += int(gb * params["block"] * c)
+
+    persistent = {"weights": weights, "lora_adapters": lora_bytes, "optimizer_state": optimizer,
+                  "gradients": gradients if settings.grad_accum > 1 else 0}
+    phases = {}
+    phases["head"] = {**persistent, "activations": n * saved, "attention_scores": n * saved_scores,
+                      "logits": head_logits, "backward_temporaries": head_rest, "update_temporaries": 0}
+    best_k = max(range(1, n + 1), key=lambda k: k * (saved + saved_scores) + (n - k) * kept)
+    phases["backward"] = {**persistent, "activations": best_k * saved + (n - best_k) * kept,
+                          "attention_scores": best_k * saved_scores + work_scores + recompute_scores,
+                          "logits": 0, "backward_temporaries": work_rest + recompute, "update_temporaries": 0}
+    in_flight = min(arrays, counts.update)
+    phases["update"] = {**persistent, "gradients": gradients, "activations": 0, "attention_scores": 0, "logits": 0,
+                        "backward_temporaries": 0,
+                        "update_temporaries": 4 * in_flight * gradients // max(arrays, 1)}
+    phases = {name: {k: int(v) for k, v in parts.items()} for name, parts in phases.items()}
+    totals = {name: sum(parts.values()) for name, parts in phases.items()}
+    phase = max(totals, key=totals.get)
+    details = {
+        "parameters": params["total"], "trainable_parameters": trainable, "trained_blocks": n,
+        "tokens_per_row": L, "tokens_per_step": T * settings.grad_accum, "dtype": arch.dtype,
+        "activation_bytes_per_block": saved + saved_scores, "score_matrix_bytes": score,
+        "logits_bytes": tv, "phase_peaks": totals, "family": arch.family, "known_family": arch.known,
+        "warnings": list(arch.warnings),
+    }
+    return Estimate(totals[phase], phase, phases[phase], details)
+
+
+# ------------------------------------------------------------------------------------------- the machine
+
+
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)(b?)\s*", re.IGNORECASE)
+
+
+def parse_size(text) -> int:
+    """'64GB' | '64G' | '16GiB' | '512M' | '1.5T' | 123456 (bytes) -> bytes. Units are binary (G = GiB = 2^30),
+    as memory is sold and as `mx.get_peak_memory()` is usually read; a bare number is bytes."""
+    if isinstance(text, bool):
+        raise UserError(f"memory size {text!r} is not a size")
+    if isinstance(text, (int, float)):
+        if text <= 0 or (isinstance(text, float) and not math.isfinite(text)):
+            raise UserError(f"memory size {text!r} must be positive")
+        return int(text)
+    match = _SIZE.fullmatch(str(text))
+    if not match or (match.group(3) and not match.group(2)):
+        raise UserError(f"memory size {text!r} is not a size: use e.g. 64GB, 64G, 16GiB, 512M or a number of bytes")
+    value = float(match.group(1)) * 1024 ** " kmgtp".index(match.group(2).lower() or " ")
+    if value < 1:
+        raise UserError(f"memory size {text!r} must be at least one byte")
+    return int(value)
+
+
+def available_memory() -> tuple[int, str]:
+    """(bytes a run may use, where the number comes from): Metal's recommended working set when MLX runs on a
+    GPU, else Linux's MemAvailable, else the physical memory (os.sysconf)."""
+    try:
+        import mlx.core as mx
+
+        if mx.default_device() == mx.gpu:
+            info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
+            size = int(info.get("max_recommended_working_set_size", 0))
+            if size:
+                return size, "the GPU's recommended working set (mx.device_info)"
+    except Exception:  # no MLX, no GPU: the CPU's memory below
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "physical memory (os.sysconf)"
+    except (ValueError, OSError, AttributeError):
+        raise UserError("cannot tell how much memory this machine has; pass --max-memory") from None
+
+
+def format_size(nbytes: int | float) -> str:
+    """Bytes in binary units with three significant digits: '12.6 GiB', '340 MiB'."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1000 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" or value >= 100 else f"{value:.3g} {unit}"
+        value /= 1024
+    return f"{value:.3g} TiB"
+
+
+def format_count(n: int | float) -> str:
+    """A count with three significant digits: '6.74 B', '20 M', '512'."""
+    for scale, suffix in ((1e9, " B"), (1e6, " M"), (1e3, " K")):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return f"{n:.0f}"
+
+
+# ------------------------------------------------------------------------------------------- the verdict
+
+
+@dataclass
+class Plan:
+    """The prediction for a run against the memory it may use, and what to change when it does not fit."""
+
+    estimate: Estimate
+    settings: TrainSettings
+    available: int
+    largest_batch: int  # 0: not even one row fits
+    largest_window: int  # 0: not even a 2-token window fits (PoSE only; full-length sampling trains at the target)
+    suggestions: list  # {"change", "peak_bytes", "fits"}
+
+    @property
+    def fits(self) -> bool:
+        return self.estimate.peak <= self.available
+
+    def advice(self) -> str:
+        """One line: the first change that fits, else the smallest predicted peak."""
+        fitting = [s for s in self.suggestions if s["fits"]]
+        if fitting:
+            return f"{fitting[0]['change']} (about {format_size(fitting[0]['peak_bytes'])})"
+        if self.suggestions:
+            best = min(self.suggestions, key=lambda s: s["peak_bytes"])
+            return f"even {best['change']} needs about {format_size(best['peak_bytes'])}"
+        return "no setting of this run fits"
+
+    def as_dict(self) -> dict:
+        return {**self.estimate.as_dict(), "available_bytes": self.available, "fits": self.fits,
+                "largest_batch": self.largest_batch, "largest_window": self.largest_window,
+                "suggestions": list(self.suggestions)}
+
+
+def _largest(fits, low: int, high: int) -> int:
+    """Largest n in [low, high] with fits(n) (fits is monotone), or low - 1 when none."""
+    if not fits(low):
+        return low - 1
+    while low < high:
+        mid = (low + high + 1) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def make_plan(config: dict | Architecture, settings: TrainSettings, available: int) -> Plan:
+    """Predict `settings` on `config` and search what fits into `available` bytes."""
+    arch = config if isinstance(config, Architecture) else architecture(config)
+    estimate = training_memory(arch, settings)
+
+    def peak(arch_=arch, **changes) -> int:
+        return training_memory(arch_, replace(settings, **changes)).peak
+
+    largest_batch = _largest(lambda b: peak(batch_size=b) <= available, 1, 1 << 16)
+    largest_window = 0
+    if settings.method != "full":
+        high = max(settings.target or settings.window, settings.window)
+        largest_window = _largest(lambda w: peak(window=w) <= available, 2, high)
+    # in order of preference: the cheapest change to the run first
+    options = []
+    if not settings.grad_checkpoint:
+        options.append(("turn on gradient checkpointing (--grad-checkpoint)", arch, {"grad_checkpoint": True}))
+    if settings.batch_size > 1 and 1 <= largest_batch < settings.batch_size:
+        accum = math.ceil(settings.batch_size * settings.grad_accum / largest_batch)
+        options.append((f"--batch-size {largest_batch} --grad-accum {accum} (the same tokens per update)", arch,
+                        {"batch_size": largest_batch, "grad_accum": accum}))
+    if not settings.lora:
+        options.append(("train LoRA adapters instead of all weights (--lora)", arch, {"lora": True}))
+    q4 = replace(arch, quant_bits=4, quant_group=64) if not arch.quant_bits else arch
+    if not arch.quant_bits:
+        options.append(("a 4-bit quantized base with LoRA (mlx_lm.convert -q)", q4, {"lora": True}))
+    if settings.method != "full" and 2 <= largest_window < settings.window:
+        options.append((f"a shorter training window (--window {largest_window})", arch, {"window": largest_window}))
+    if sum(1 for text, _, _ in options if "window" not in text and "batch" not in text) > 1:
+        options.append(("all of: a 4-bit base, LoRA and gradient checkpointing", q4,
+                        {"lora": True, "grad_checkpoint": True}))
+    suggestions = []
+    for text, arch_, changes in options:
+        value = peak(arch_, **changes)
+        suggestions.append({"change": text, "peak_bytes": value, "fits": value <= available})
+    return Plan(estimate, settings, available, largest_batch, largest_window, suggestions)
+
+
+def check_fits(config: dict | Architecture, settings: TrainSettings, max_memory: int) -> Plan:
+    """The plan of the run; raises UserError (one line with the best change) when the predicted peak exceeds
+    `max_memory` bytes (finetune's --max-memory; --force skips this check)."""
+    plan = make_plan(config, settings, max_memory)
+    if not plan.fits:
+        raise UserError(f"this run needs about {format_size(plan.estimate.peak)} at its peak, more than "
+                        f"{format_size(max_memory)}; {plan.advice()}; or --force to try anyway")
+    return plan
+
+
+# ------------------------------------------------------------------------------------------- evaluation
+
+KV_CACHE_STEP = 256  # mlx-lm's KVCache grows its buffers by this many positions
+
+
+def eval_memory(config: dict | Architecture, length: int, chunk: int = 512) -> Estimate:
+    """Peak bytes of scoring one `length`-token sequence by chunked prefill (`pose_mlx.longctx.prefill`, what
+    `pose_mlx.perplexity` and `pose_mlx.passkey` run), chunk C = min(chunk, length):
+
+        weights + KV cache (2 x layers x kv_heads x head_dim x L x bytes, L rounded up to mlx-lm's 256-step
+        buffers) + one block's cache again (the old buffer while it grows) + one chunk's attention scores
+        (heads x C x L) + two chunk logits in fp32 (the cast and the log-sum-exp's temporary) + one chunk's
+        activations (13 x C x hidden + C x intermediate, measured on small llamas with MLX's CPU backend).
+    """
+    arch = config if isinstance(config, Architecture) else architecture(config)
+    if length < 1 or chunk < 1:
+        raise UserError(f"length {length} and chunk {chunk} must be positive")
+    c = arch.dtype_bytes
+    C = min(chunk, length)
+    capacity = -(-length // KV_CACHE_STEP) * KV_CACHE_STEP
+    cache = 2 * arch.layers * arch.kv_dims * capacity * c
+    breakdown = {
+        "weights": arch.weight_bytes(),
+        "kv_cache": cache + cache // arch.layers,
+        "attention_scores": arch.heads * C * length * c * (2 if arch.spec.softcap else 1),
+        "logits": 2 * C * arch.vocab * 4 + (C * arch.vocab * c if c < 4 else 0),
+        "activations": (13 * arch.hidden + arch.intermediate) * C * c,
+    }
+    details = {"parameters": arch.parameter_counts()["total"], "length": length, "chunk": C,
+               "kv_cache_per_token": 2 * arch.layers * arch.kv_dims * c, "family": arch.family,
+               "known_family": arch.known, "warnings": list(arch.warnings)}
+    return Estimate(sum(breakdown.values()), "eval", breakdown, details)

@@ -1,0 +1,279 @@
+"""pose_mlx.memory: parameter counts against mlx-lm's models, the breakdown against hand arithmetic, monotonicity,
+sizes, and the prediction against measured peaks of a real (tiny) fine-tuning run and a chunked evaluation."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import pose_mlx  # noqa: F401  (fast BLAS before mlx)
+from pose_mlx import memory
+from pose_mlx.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=100, rms_norm_eps=1e-5, head_dim=16)
+FAMILIES = {  # model_type -> extra config keys (each family's quirks: biases, qk norms, fused projections, ...)
+    "llama": dict(tie_word_embeddings=False, attention_bias=True),
+    "mistral": dict(tie_word_embeddings=True),
+    "qwen2": dict(tie_word_embeddings=False),
+    "qwen3": dict(tie_word_embeddings=True, head_dim=32, rope_theta=1e6, max_position_embeddings=128),
+    "gemma": dict(),
+    "gemma2": dict(),
+    "phi3": dict(),
+    "starcoder2": dict(norm_epsilon=1e-5, tie_word_embeddings=False),
+    "olmo2": dict(tie_word_embeddings=False),
+}
+MODULE = {"mistral": "llama"}  # mlx-lm builds mistral with its llama module
+
+
+def mlx_lm_model(config: dict):
+    module = importlib.import_module(f"mlx_lm.models.{MODULE.get(config['model_type'], config['model_type'])}")
+    return module.Model(module.ModelArgs.from_dict(config))
+
+
+def array_sizes(model) -> tuple[int, int]:
+    """(number of parameters, bytes) summed over the model's arrays: the independent count."""
+    from mlx.utils import tree_flatten
+
+    arrays = [v for _, v in tree_flatten(model.parameters())]
+    return sum(a.size for a in arrays), sum(a.nbytes for a in arrays)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_parameter_count_matches_mlx_lm(family):
+    config = {**BASE, **FAMILIES[family], "model_type": family}
+    count, _ = array_sizes(mlx_lm_model(config))
+    arch = memory.architecture(config)
+    assert arch.known
+    assert arch.parameter_counts()["total"] == count
+
+
+def test_llama_2_7b_has_its_published_size():
+    config = dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, intermediate_size=11008,
+                  num_attention_heads=32, num_key_value_heads=32, vocab_size=32000, tie_word_embeddings=False,
+                  torch_dtype="float16")
+    arch = memory.architecture(config)
+    assert arch.parameter_counts()["total"] == 6_738_415_616  # the count Meta reports for Llama-2-7B
+    assert arch.weight_bytes() == 2 * 6_738_415_616
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_quantized_bytes_match_mlx_lm_quantize(tied):
+    import mlx.core as mx
+    from mlx_lm.utils import quantize_model
+
+    config = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=96,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=128, rms_norm_eps=1e-5,
+                  tie_word_embeddings=tied, torch_dtype="bfloat16")
+    model = mlx_lm_model(config)
+    model.set_dtype(mx.bfloat16)
+    model, quantized_config = quantize_model(model, dict(config), group_size=32, bits=4)
+    _, nbytes = array_sizes(model)
+    assert memory.architecture(quantized_config).weight_bytes() == nbytes
+
+
+def test_unknown_family_is_estimated_with_a_warning():
+    arch = memory.architecture({**BASE, "model_type": "mystery", "tie_word_embeddings": True})
+    assert not arch.known
+    assert any("mystery" in w and "estimated" in w for w in arch.warnings)
+    # estimated as a llama-style block: the same count as the llama built from the same shapes
+    llama = memory.architecture({**BASE, "model_type": "llama", "tie_word_embeddings": True})
+    assert arch.parameter_counts() == llama.parameter_counts()
+    assert memory.training_memory({**BASE, "model_type": "mystery"}, memory.TrainSettings(window=64)).details[
+        "warnings"]
+
+
+def test_missing_fields_are_named():
+    config = {k: v for k, v in BASE.items() if k not in ("vocab_size", "intermediate_size")}
+    with pytest.raises(UserError, match="intermediate_size, vocab_size"):
+        memory.architecture({**config, "model_type": "llama"})
+    with pytest.raises(UserError, match="num_attention_heads must be a positive integer"):
+        memory.architecture({**BASE, "model_type": "llama", "num_attention_heads": "four"})
+
+
+def test_breakdown_by_hand():
+    """A tiny llama, LoRA rank 4 on both blocks, eager, batch 2 x window 33 (32 input tokens per row), fp32."""
+    config = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                  num_attention_heads=4, num_key_value_heads=4, vocab_size=100, tie_word_embeddings=False,
+                  torch_dtype="float32")
+    settings = memory.TrainSettings(window=33, batch_size=2, lora_rank=4, compile=False)
+    est = memory.training_memory(config, settings)
+    d, i, v, T = 64, 128, 100, 2 * 32
+    block = 4 * d * d + 3 * d * i + 2 * d  # q, k, v, o; gate, up, down; two norms
+    params = 2 * v * d + d + 2 * block  # embedding, lm_head, final norm, blocks
+    assert est.details["parameters"] == params == 95040
+    assert est.breakdown["weights"] == 4 * params
+    adapters = 2 * 4 * (4 * (d + d) + 2 * (d + i) + (i + d))  # rank x (inputs + outputs) of 7 linears, 2 blocks
+    assert est.details["trainable_parameters"] == adapters == 8704
+    assert est.breakdown["lora_adapters"] == 4 * adapters
+    assert est.breakdown["optimizer_state"] == 2 * 4 * adapters
+    assert est.breakdown["gradients"] == 0  # LoRA gradients are negligible and not accumulated (grad_accum 1)
+    # one block keeps: residual in + mid (2 T*d), two norms x (normalized + output) (4 T*d), q and k after RoPE,
+    # v and the attention output (4 T*d), 5 T*i of the SwiGLU MLP, x @ A of the 7 adapters (7 T*4), in fp32
+    saved = 4 * (2 * T * d + 4 * T * d + 4 * T * d + 5 * T * i + 7 * T * 4)
+    scores = 4 * 2 * 4 * 32 * 32  # batch x heads x L x L
+    assert est.details["activation_bytes_per_block"] == saved + scores
+    assert est.details["score_matrix_bytes"] == scores
+    assert est.details["logits_bytes"] == 4 * T * v
+    counts = memory.COUNTS[(True, False, False)]
+    # which phase wins here: the logits (head) or the first block's backward
+    head = 2 * saved + 2 * scores + counts.head[0] * 4 * T * v + 4 * T * (counts.head[1] * d + counts.head[2] * i)
+    backward = 2 * saved + 2 * scores + counts.backward[0] * scores + 4 * T * (
+        counts.backward[1] * d + counts.backward[2] * i)
+    persistent = 4 * params + 4 * adapters + 8 * adapters
+    assert est.peak == persistent + max(int(head), int(backward))
+    assert sum(est.breakdown.values()) == est.peak
+
+
+def _llama(layers=4, hidden=256, heads=4, vocab=1000, dtype="float32"):
+    return dict(model_type="llama", hidden_size=hidden, num_hidden_layers=layers, intermediate_size=4 * hidden,
+                num_attention_heads=heads, num_key_value_heads=heads, vocab_size=vocab, tie_word_embeddings=True,
+                torch_dtype=dtype)
+
+
+@pytest.mark.parametrize("lora", [True, False])
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("checkpoint", [True, False])
+def test_peak_grows_with_batch_and_window(lora, compiled, checkpoint):
+    config = _llama()
+    peaks = [memory.training_memory(config, memory.TrainSettings(window=w, batch_size=b, lora=lora,
+                                                                 compile=compiled, grad_checkpoint=checkpoint)).peak
+             for w, b in ((128, 1), (256, 1), (256, 2), (512, 2), (1024, 2), (1024, 4))]
+    assert peaks == sorted(peaks)
+    # strictly, once activations outweigh full fine-tuning's optimizer update (which no batch or window changes)
+    assert len(set(peaks[2:])) == len(peaks[2:]) and (not lora or len(set(peaks)) == len(peaks))
+
+
+@pytest.mark.parametrize("lora", [True, False])
+@pytest.mark.parametrize("compiled", [True, False])
+def test_checkpointing_lowers_a_long_window_peak(lora, compiled):
+    config = _llama(layers=16)
+    plain, checkpointed = (memory.training_memory(config, memory.TrainSettings(
+        window=2048, batch_size=2, lora=lora, compile=compiled, grad_checkpoint=gc)).peak for gc in (False, True))
+    assert checkpointed < 0.75 * plain
+
+
+def test_lora_and_quantization_lower_the_peak():
+    config = _llama(layers=8, hidden=1024, dtype="bfloat16")
+    settings = memory.TrainSettings(window=1024)
+    lora = memory.training_memory(config, settings).peak
+    full = memory.training_memory(config, memory.TrainSettings(window=1024, lora=False)).peak
+    q4 = memory.training_memory({**config, "quantization": {"group_size": 64, "bits": 4}}, settings).peak
+    assert q4 < lora < full
+    with pytest.raises(UserError, match="quantized"):
+        memory.training_memory({**config, "quantization": {"group_size": 64, "bits": 4}},
+                               memory.TrainSettings(window=1024, lora=False))
+
+
+def test_pose_memory_follows_the_window_not_the_target():
+    config = _llama()
+    pose = [memory.training_memory(config, memory.TrainSettings(window=512, target=t)).peak for t in (2048, 16384)]
+    full = [memory.training_memory(config, memory.TrainSettings(window=512, target=t, method="full")).peak
+            for t in (2048, 16384)]
+    assert pose[0] == pose[1]
+    assert full[0] > pose[0] and full[1] > 10 * full[0]  # the score matrices grow with the square of the target
+
+
+def test_fewer_lora_blocks_keep_fewer_activations():
+    config = _llama(layers=8)
+    peaks = [memory.training_memory(config, memory.TrainSettings(window=1024, lora_layers=n)).peak for n in (2, 4, 8)]
+    assert peaks == sorted(peaks) and len(set(peaks)) == 3
+    with pytest.raises(UserError, match="between 1 and"):
+        memory.training_memory(config, memory.TrainSettings(window=1024, lora_layers=9))
+
+
+@pytest.mark.parametrize("text, expected", [("64GB", 64 * 2**30), ("64G", 64 * 2**30), ("16GiB", 16 * 2**30),
+                                            ("512M", 512 * 2**20), ("512mb", 512 * 2**20), ("1.5T", int(1.5 * 2**40)),
+                                            ("123456", 123456), (4096, 4096), (" 2 k ", 2048)])
+def test_parse_size(text, expected):
+    assert memory.parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "GB", "12QB", "-3G", "0", "1iB", "lots", True])
+def test_parse_size_rejects(text):
+    with pytest.raises(UserError, match="size"):
+        memory.parse_size(text)
+
+
+def test_available_memory_reads_the_machine():
+    value, source = memory.available_memory()
+    assert value > 2**26 and source
+    if Path("/proc/meminfo").is_file():
+        line = next(l for l in Path("/proc/meminfo").read_text().splitlines() if l.startswith("MemTotal:"))
+        assert value <= int(line.split()[1]) * 1024
+
+
+def test_plan_searches_what_fits():
+    config = _llama(layers=8, hidden=512)
+    settings = memory.TrainSettings(window=1024, batch_size=8, target=8192, compile=False)
+    peak = memory.training_memory(config, settings).peak
+    plan = memory.make_plan(config, settings, peak // 2)
+    assert not plan.fits
+    b, w = plan.largest_batch, plan.largest_window
+    assert 1 <= b < 8 and 2 <= w < 1024
+    fits = lambda **ch: memory.training_memory(config, memory.TrainSettings(**{**settings.__dict__, **ch})).peak <= peak // 2
+    assert fits(batch_size=b) and not fits(batch_size=b + 1)
+    assert fits(window=w) and not fits(window=w + 1)
+    assert plan.suggestions and all(s["fits"] == (s["peak_bytes"] <= peak // 2) for s in plan.suggestions)
+    with pytest.raises(UserError, match="--force"):
+        memory.check_fits(config, settings, peak // 2)
+    assert memory.check_fits(config, settings, peak).fits
+
+
+def _run(code: str, *args, timeout=600) -> str:
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def toy_folder(tmp_path_factory):
+    from pose_mlx import toy
+
+    folder = tmp_path_factory.mktemp("toy")
+    toy.make_model_folder(folder, hidden_size=96, num_layers=3, num_heads=4, intermediate_size=256,
+                          max_position_embeddings=1024, texts=toy.stdlib_texts(max_chars=200_000))
+    return folder
+
+
+def test_measured_training_peak_within_10_percent(toy_folder, tmp_path):
+    """A real `python -m pose_mlx.finetune --steps 3` in its own process: its largest logged peak."""
+    from pose_mlx import toy
+    from pose_mlx import plan as planner
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for k, text in enumerate(toy.stdlib_texts(max_files=40, min_chars=20_000)):
+        (data / f"{k}.txt").write_text(text)
+    flags = ["--model", str(toy_folder), "--original", "256", "--target", "1024", "--batch-size", "2", "--steps", "3",
+             "--warmup", "1", "--data", str(data), "--cache-dir", str(tmp_path / "cache"), "--output",
+             str(tmp_path / "out"), "--no-progress", "--no-compile", "--save-every", "0"]
+    _s, _ref, config, settings = planner.planned_run(flags)
+    predicted = memory.training_memory(config, settings).peak
+    _run("import runpy, sys; sys.argv = ['finetune', *sys.argv[1:]]; "
+         "runpy.run_module('pose_mlx.finetune', run_name='__main__')", *flags)
+    log = [json.loads(l) for l in (tmp_path / "out" / "train_log.jsonl").read_text().splitlines()]
+    measured = max(r["peak_memory_gb"] for r in log) * 2**30
+    assert abs(predicted / measured - 1) <= 0.10, (predicted, measured)
+
+
+def test_measured_eval_peak_within_10_percent(toy_folder):
+    code = ("import sys, numpy as np, pose_mlx, mlx.core as mx\n"
+            "from pose_mlx import longctx\nfrom mlx_lm import load\n"
+            "model, _ = load(sys.argv[1]); mx.eval(model.parameters())\n"
+            "tokens = np.random.default_rng(0).integers(3, 500, size=int(sys.argv[2])).astype(np.int32)\n"
+            "longctx.chunked_nll(model, tokens, int(sys.argv[3])); print(mx.get_peak_memory())\n")
+    config = json.loads((toy_folder / "config.json").read_text())
+    for length, chunk in ((1024, 256), (2048, 512)):
+        measured = int(_run(code, str(toy_folder), str(length), str(chunk)).split()[-1])
+        predicted = memory.eval_memory(config, length, chunk).peak
+        assert abs(predicted / measured - 1) <= 0.10, (length, chunk, predicted, measured)

@@ -1,0 +1,142 @@
+"""`python -m pose_mlx.plan`: reads only config.json, takes finetune's flags, prints a table or one JSON object;
+bad input ends with one line on stderr and exit code 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pose_mlx import memory
+from pose_mlx import plan as planner
+from pose_mlx.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = dict(model_type="llama", hidden_size=512, num_hidden_layers=8, intermediate_size=1376, num_attention_heads=8,
+              num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, tie_word_embeddings=False,
+              torch_dtype="bfloat16")
+
+
+@pytest.fixture
+def folder(tmp_path):
+    """A model folder with a config.json and nothing else: the planner must not need weights."""
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    return tmp_path
+
+
+def run_cli(*argv, env=None):
+    proc = subprocess.run([sys.executable, "-m", "pose_mlx.plan", *argv], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, timeout=300)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def test_json_schema(folder, capsys):
+    assert planner.main(["--model", str(folder), "--target", "16k", "--batch-size", "2", "--json",
+                         "--max-memory", "3GiB"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert isinstance(out["peak_bytes"], int) and out["peak_bytes"] > 0
+    assert out["available_bytes"] == 3 * 2**30 and out["available_source"] == "--max-memory"
+    assert out["fits"] is (out["peak_bytes"] <= out["available_bytes"])
+    assert set(out["breakdown"]) >= {"weights", "optimizer_state", "activations", "attention_scores", "logits"}
+    assert all(isinstance(v, int) and v >= 0 for v in out["breakdown"].values())
+    assert sum(out["breakdown"].values()) == out["peak_bytes"]
+    assert out["phase"] in ("head", "backward", "update")
+    assert isinstance(out["largest_batch"], int) and isinstance(out["largest_window"], int)
+    assert all({"change", "peak_bytes", "fits"} <= set(s) for s in out["suggestions"])
+    assert out["settings"]["window"] == 2048 and out["settings"]["target"] == 16384  # window: the original
+    # the same numbers as the library gives for these settings
+    expected = memory.training_memory(CONFIG, memory.TrainSettings(window=2048, target=16384, batch_size=2))
+    assert out["peak_bytes"] == expected.peak and out["breakdown"] == expected.breakdown
+
+
+def test_flags_map_onto_settings(folder, capsys):
+    _s, _ref, config, settings = planner.planned_run(
+        ["--model", str(folder), "--target", "4x", "--window", "1024", "--full", "--grad-checkpoint", "--no-compile",
+         "--batch-size", "4", "--grad-accum", "2", "--lora-layers", "3", "--sampler", "full", "--data", "somewhere",
+         "--frobnicate", "7"])
+    assert config == CONFIG
+    assert "ignoring flags the planner does not use: --frobnicate 7" in capsys.readouterr().err
+    assert settings == memory.TrainSettings(window=1024, batch_size=4, lora=False, lora_layers=3,
+                                            grad_checkpoint=True, compile=False, grad_accum=2, method="full",
+                                            target=8192)
+    assert settings.row_tokens == 8191  # full-length sampling trains on target-token rows
+
+
+def test_table(folder):
+    code, out, err = run_cli("--model", str(folder), "--target", "8x", "--window", "4096", "--max-memory", "2G",
+                             "--data", "ignored", "--some-unknown-flag")
+    assert code == 0, err
+    assert "--some-unknown-flag" in err
+    for text in ("weights", "attention scores", "peak", "available: 2 GiB (--max-memory)", "verdict: does NOT fit",
+                 "largest batch that fits", "gradient checkpointing"):
+        assert text in out, text
+
+
+def _read(ref):
+    from pose_mlx.model import source
+
+    return source.read_config(source.resolve(str(ref), weights=False))
+
+
+def test_read_model_config(folder, monkeypatch, tmp_path):
+    assert _read(folder) == CONFIG
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    with pytest.raises(UserError, match="not valid JSON"):
+        _read(broken)
+    with pytest.raises(UserError, match="no config.json"):
+        _read(_empty(tmp_path / "empty"))
+    seen = {}
+
+    def download(repo_id, filename, **kwargs):  # only config.json is asked for
+        seen["args"] = (repo_id, filename)
+        return str(folder / "config.json")
+
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    assert _read("llama-2-13b") == CONFIG
+    assert seen["args"] == ("meta-llama/Llama-2-13b-hf", "config.json")
+
+
+def _empty(folder: Path) -> Path:
+    folder.mkdir()
+    return folder
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--target", "8x"], "--model is required"),
+    (["--model", "no-such-model-anywhere", "--target", "8x"], "not a known alias"),
+    (["--model", "{folder}", "--batch-size", "0"], "--batch-size must be between 1"),
+    (["--model", "{folder}", "--max-memory", "12QB"], "is not a size"),
+    (["--model", "{folder}", "--target", "4x", "--sampler", "none"], "trains nothing"),
+    (["--model", "{folder}", "--sampler", "full"], "--target is required with --sampler full"),
+    (["--model", "{folder}", "--target", "banana"], "is not a length"),
+    (["--model", "{folder}", "--lora-layers", "99"], "between 1 and the model's 8 blocks"),
+    (["--model", "{folder}", "--batch-size", "two"], "invalid int value"),
+    (["--model", "{incomplete}"], "lacks intermediate_size, vocab_size"),
+])
+def test_bad_input_is_one_line_exit_2(folder, argv, needle):
+    incomplete = folder / "incomplete"
+    incomplete.mkdir()
+    (incomplete / "config.json").write_text(json.dumps({k: v for k, v in CONFIG.items()
+                                                        if k not in ("vocab_size", "intermediate_size")}))
+    argv = [a.format(folder=folder, incomplete=incomplete) for a in argv]
+    code, out, err = run_cli(*argv)
+    assert code == 2
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pose_mlx.plan: error: ") and needle in lines[0], err
+
+
+def test_hub_alias_offline_is_one_line(tmp_path):
+    code, out, err = run_cli("--model", "llama-2-7b", "--target", "8x",
+                             env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)})
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "meta-llama/Llama-2-7b-hf" in lines[0] and "hub" in lines[0]
