@@ -22,7 +22,7 @@ import mlx.optimizers as optim
 
 from pose_mlx import extend, use_positions
 from pose_mlx.backend import status as blas_status
-from pose_mlx.positions import pose_position_ids
+from pose_mlx.training.positions import pose_position_ids
 from pose_mlx.model.source import build_model
 from pose_mlx.toy import model_config
 

@@ -1,7 +1,7 @@
 """pose-mlx: context-window extension for RoPE language models on MLX, built around PoSE.
 
 Importing the package loads an optimized BLAS for MLX on Linux (`pose_mlx.backend`, the one place that does
-it) and does not import MLX itself, so NumPy-only parts (`pose_mlx.positions`, `pose_mlx.rope`,
+it) and does not import MLX itself, so NumPy-only parts (`pose_mlx.training.positions`, `pose_mlx.rope`,
 `pose_mlx.analysis`) stay light. The MLX-facing API (`extend`, `use_positions`, `load`, ...) is imported on
 first use.
 """
@@ -21,10 +21,10 @@ _LAZY = {
     "load": "pose_mlx.model.source",
     "load_gguf": "pose_mlx.model.gguf",
     "UserError": "pose_mlx.errors",
-    "pose_position_ids": "pose_mlx.positions",
-    "randpos_position_ids": "pose_mlx.positions",
-    "sample_example": "pose_mlx.positions",
-    "Example": "pose_mlx.positions",
+    "pose_position_ids": "pose_mlx.training.positions",
+    "randpos_position_ids": "pose_mlx.training.positions",
+    "sample_example": "pose_mlx.training.positions",
+    "Example": "pose_mlx.training.positions",
     "scaled_inv_freq": "pose_mlx.rope",
 }
 

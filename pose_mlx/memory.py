@@ -293,7 +293,7 @@ class TrainSettings:
     grad_checkpoint: bool = False
     compile: bool = True
     grad_accum: int = 1
-    method: str = "pose"  # "full": full-length sampling, rows of `target` tokens
+    method: str = "pose"  # the sampler; "full": full-length sampling, rows of `target` tokens
     target: int | None = None
 
     def __post_init__(self):
@@ -301,7 +301,7 @@ class TrainSettings:
             if getattr(self, name) < 1:
                 raise UserError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.method == "full" and not self.target:
-            raise UserError("full-length sampling (--method full) needs the target length")
+            raise UserError("full-length sampling (--sampler full) needs the target length")
 
     @property
     def row_tokens(self) -> int:
@@ -629,6 +629,26 @@ def make_plan(config: dict | Architecture, settings: TrainSettings, available: i
         value = peak(arch_, **changes)
         suggestions.append({"change": text, "peak_bytes": value, "fits": value <= available})
     return Plan(estimate, settings, available, largest_batch, largest_window, suggestions)
+
+
+def run_settings(run, window: int, target: int | None) -> TrainSettings:
+    """The memory model's view of a fine-tuning run's settings (`pose_mlx.settings.RunSettings`) at the resolved
+    training window and target."""
+    return TrainSettings(window=window, batch_size=run.batch_size, lora=not run.full, lora_rank=run.lora_rank,
+                         lora_layers=run.lora_layers, grad_checkpoint=run.grad_checkpoint, compile=run.compile,
+                         grad_accum=run.grad_accum, method=run.sampler, target=target)
+
+
+def limit(run) -> tuple[int, str]:
+    """(bytes, where from) a run may use: its --max-memory, else what this machine offers."""
+    return (parse_size(run.max_memory), "--max-memory") if run.max_memory else available_memory()
+
+
+def check_run(config: dict, run, window: int, target: int | None) -> None:
+    """Refuse (UserError, one line with the change that fits) a fine-tuning run whose predicted peak exceeds its
+    limit, unless it asks to be forced (`run.force`) or trains nothing."""
+    if run.sampler != "none" and not run.force:
+        check_fits(config, run_settings(run, window, target), limit(run)[0])
 
 
 def check_fits(config: dict | Architecture, settings: TrainSettings, max_memory: int) -> Plan:

@@ -96,8 +96,7 @@ def make_plan(invocation: Invocation) -> RunPlan:
     if s.sampler in ("pose", "pose-ref") and s.chunks > window:
         raise UserError(f"--chunks {s.chunks} must be at most the window {window} (each chunk holds a token)")
     lora = None if s.full or s.sampler == "none" else _lora_spec(s, config)
-    if s.sampler != "none" and not s.force:
-        memory.check_fits(config, train_settings(s, window, target), memory_limit(s))
+    memory.check_run(config, s, window, target)
     label = Path(s.model.rstrip("/")).name.removesuffix(".gguf")  # the alias, the repo's or the folder's name
     output = Path(s.output).expanduser() if s.output else Path(f"{label}-{s.sampler}-{target}")
     plan = RunPlan(s, ref, config, original, target, window, output, run_folder(output), invocation.resume,
@@ -136,18 +135,6 @@ def _warn_about_scaling(s: RunSettings, config: dict, original: int, target: int
     if factor is not None and abs(float(factor) - target / original) > 1e-9 * target / original:
         print(f"warning: scaling factor {factor} differs from target/original = {target}/{original} = "
               f"{target / original:g}", file=sys.stderr)
-
-
-def train_settings(s: RunSettings, window: int, target: int) -> memory.TrainSettings:
-    """What the memory model needs of a run's settings."""
-    return memory.TrainSettings(window=window, batch_size=s.batch_size, lora=not s.full, lora_rank=s.lora_rank,
-                                lora_layers=s.lora_layers, grad_checkpoint=s.grad_checkpoint, compile=s.compile,
-                                grad_accum=s.grad_accum, method=s.sampler, target=target)
-
-
-def memory_limit(s: RunSettings) -> int:
-    """--max-memory in bytes, else what this machine offers."""
-    return memory.parse_size(s.max_memory) if s.max_memory else memory.available_memory()[0]
 
 
 def _lora_spec(s: RunSettings, config: dict) -> LoraSpec:
@@ -380,7 +367,7 @@ def planned_run(argv) -> tuple[RunSettings, source.ModelRef, dict, memory.TrainS
     window, target = _lengths(s, config, ref)
     if not s.full:
         _lora_spec(s, config)
-    return s, ref, config, train_settings(s, window, target)
+    return s, ref, config, memory.run_settings(s, window, target)
 
 
 @command("pose_mlx.plan")
@@ -390,8 +377,7 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     s, ref, config, settings = planned_run(argv)
     arch = memory.architecture(config)
-    available, where = ((memory.parse_size(s.max_memory), "--max-memory") if s.max_memory
-                        else memory.available_memory())
+    available, where = memory.limit(s)
     plan = memory.make_plan(arch, settings, available)
     if "--json" in argv:
         record = {**plan.as_dict(), "available_source": where, "model": s.model,
@@ -405,8 +391,7 @@ def main(argv=None) -> int:
     return 0
 
 
-__all__ = ["RunPlan", "lock_path", "main", "make_plan", "memory_limit", "planned_run", "render", "take_lock",
-           "train_settings"]
+__all__ = ["RunPlan", "lock_path", "main", "make_plan", "planned_run", "render", "take_lock"]
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from .errors import ArgumentParser, UserError
-from .positions import CONTENT
+from .training.positions import CONTENT
 from .rope import SCHEDULES, scaled_inv_freq, schedule_parameters
 
 RUN_SAMPLERS = ("pose", "pose-ref", "randpos", "full", "none")

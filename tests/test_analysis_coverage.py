@@ -125,8 +125,8 @@ def test_does_not_import_mlx():
 
 
 def test_batched_sampler_marginals_match_positions_module():
-    """Chunk-2 start position and the final position of the batched sampler vs pose_mlx.positions (same law)."""
-    from pose_mlx.positions import pose_position_ids
+    """Chunk-2 start position and the final position of the batched sampler vs pose_mlx.training.positions (same law)."""
+    from pose_mlx.training.positions import pose_position_ids
 
     window, target, chunks, n = 6, 14, 3, 6000
     rng = np.random.default_rng(5)

@@ -11,7 +11,7 @@ from mlx_lm.tuner.trainer import grad_checkpoint
 from pose_mlx import extend, use_positions
 from pose_mlx.errors import UserError
 from pose_mlx.model.patch import PositionRoPE, find_rope_modules, save_extension
-from pose_mlx.positions import pose_position_ids
+from pose_mlx.training.positions import pose_position_ids
 
 from conftest import FAMILY_CONFIGS, VOCAB, build_model
 

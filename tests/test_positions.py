@@ -16,7 +16,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from pose_mlx.positions import (
+from pose_mlx.training.positions import (
     CONTENT,
     SAMPLERS,
     pose_position_ids,
@@ -148,7 +148,7 @@ def test_rng_forms():
 
 
 def test_module_does_not_import_mlx():
-    code = "import sys, pose_mlx.positions; sys.exit(any(m == 'mlx' or m.startswith('mlx.') for m in sys.modules))"
+    code = "import sys, pose_mlx.training.positions; sys.exit(any(m == 'mlx' or m.startswith('mlx.') for m in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 

@@ -3,7 +3,7 @@
 A distance r is *covered* by an example when two of its position ids differ by exactly r. For PoSE, chunk i holds
 positions u_i + st_i .. u_i + st_i + l_i - 1, so the differences inside chunk i fill [0, l_i - 1] and those between
 chunks i < j fill the interval [u_j - u_i + st_j - st_i - l_i + 1, u_j - u_i + st_j + l_j - 1 - st_i]: coverage is a
-union of intervals. Samplers follow pose_mlx.positions (Figure 6's sequential chunk lengths, u_i ~ U{u_{i-1}..Lt-Lc}).
+union of intervals. Samplers follow pose_mlx.training.positions (Figure 6's sequential chunk lengths, u_i ~ U{u_{i-1}..Lt-Lc}).
 Every returned array has length ``target`` and is indexed by distance; index 0 (distance 0) is always 1.
 """
 
@@ -150,7 +150,7 @@ def coverage_probability(window: int, target: int, method: str = "pose", chunks:
 def sample_pose_batch(batch: int, window: int, target: int, chunks: int, rng: np.random.Generator,
                       reference: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """``batch`` PoSE layouts at once: (lengths, biases), each int64 (batch, chunks), same law as
-    pose_mlx.positions.pose_position_ids (``reference=True``: the pose-ref variant)."""
+    pose_mlx.training.positions.pose_position_ids (``reference=True``: the pose-ref variant)."""
     room = target - window
     lengths = np.empty((batch, chunks), dtype=np.int64)
     biases = np.zeros((batch, chunks), dtype=np.int64)

@@ -30,7 +30,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from ..errors import UserError
-from ..positions import CONTENT, SAMPLERS, Example, sample_example
+from .positions import CONTENT, SAMPLERS, Example, sample_example
 
 SUFFIXES = (".txt", ".md", ".py", ".jsonl")
 #: mlx-lm's data folder layout: a folder with train.jsonl is read split by split.
@@ -493,7 +493,7 @@ def required_length(window: int, target: int, sampler: str, content: str) -> int
 
 class ExampleStream:
     """An endless, seeded stream of ``Batch``es: each example draws a document uniformly at random among those
-    long enough (``required_length``), then positions and content with ``pose_mlx.positions.sample_example``.
+    long enough (``required_length``), then positions and content with ``pose_mlx.training.positions.sample_example``.
 
     All randomness comes from one ``np.random.Generator`` seeded with ``seed``; ``state_dict()`` /
     ``load_state_dict()`` save and restore it, so a resumed stream yields exactly the batches the original
