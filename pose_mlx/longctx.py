@@ -30,6 +30,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
+from .eval_forward import eval_logits
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer.tiktoken", "tiktoken.model")
 DEFAULT_CHUNK = 512
 
@@ -189,7 +191,7 @@ def prefill(
         raise ValueError(f"tokens must be a non-empty 1-D sequence, got shape {tuple(ids.shape)}")
     last = None
     for start in range(0, ids.size, chunk):
-        logits = model(ids[None, start : start + chunk], cache=cache)[0].astype(mx.float32)
+        logits = eval_logits(model, ids[None, start : start + chunk], cache, on_chunk is None)[0].astype(mx.float32)
         if on_chunk is not None:
             on_chunk(start, logits)
         last = logits[-1]
