@@ -18,8 +18,11 @@ Contract, the same as `mx.fast.scaled_dot_product_attention`: queries (B, H, Lq,
 values (B, Hkv, Lk, Dv), H a multiple of Hkv; mask None, "causal" (needs Lq <= Lk) or an array broadcastable
 to (B, H, Lq, Lk), boolean (True = attend; a fully masked row averages the values, as MLX does) or
 additive. Float32 results agree with MLX to float32 rounding; other dtypes are computed in float32 and cast
-back. Differentiable: an `mx.custom_function` whose vector-Jacobian product is a NumPy backward too. Inside
-`mx.compile`/`mx.vmap` (where nothing can be evaluated) and off the CPU it is MLX's fused kernel.
+back. Differentiable: an `mx.custom_function` whose vector-Jacobian product is a NumPy backward too, exact
+inside `nn.value_and_grad`; but evaluating inside a gradient trace keeps every intermediate array of the
+traced step alive until its backward graph is built (about twice the memory of a LoRA update), so training
+keeps MLX's attention. Inside `mx.compile`/`mx.vmap` (where nothing can be evaluated) and off the CPU it is
+MLX's own `mx.fast.scaled_dot_product_attention`.
 
 Routing a model through it: `fast_attention(model)` swaps the name `scaled_dot_product_attention` in the
 mlx-lm modules that define the model's layers (e.g. `mlx_lm.models.llama`) for `scaled_dot_product_attention`
@@ -149,14 +152,14 @@ class _Workers:
             if self.count is None:
                 self._start()
         if self._pool is None or elements < INLINE_ELEMENTS or len(jobs) == 1:
-            scratch = _Scratch()
+            scratch = _Scratch.of_this_thread()
             for job in jobs:
                 work(job, scratch)
             return
         queue, lock = iter(jobs), threading.Lock()
 
         def worker():
-            scratch = _Scratch()
+            scratch = _Scratch.of_this_thread()
             while True:
                 with lock:
                     job = next(queue, None)
@@ -172,10 +175,19 @@ _WORKERS = _Workers()
 
 
 class _Scratch:
-    """Float32 scratch buffers of one worker, grown on demand: buffer(i, shape) is a C-contiguous view."""
+    """Float32 scratch buffers of one thread, kept between calls and grown on demand: buffer(i, shape) is a
+    C-contiguous view (no fresh pages to fault in for every layer)."""
+
+    _local = threading.local()
 
     def __init__(self):
         self._buffers: dict[int, np.ndarray] = {}
+
+    @classmethod
+    def of_this_thread(cls) -> "_Scratch":
+        if not hasattr(cls._local, "scratch"):
+            cls._local.scratch = cls()
+        return cls._local.scratch
 
     def buffer(self, index: int, shape: tuple) -> np.ndarray:
         size = int(np.prod(shape))
