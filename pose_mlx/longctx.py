@@ -26,9 +26,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from .model import source
 from .errors import ArgumentParser, UserError
+from .eval_forward import eval_logits
 from .lengths import default_lengths, parse_lengths
+from .model import source
 from .model.patch import extend, use_length
 
 DEFAULT_CHUNK = 512
@@ -135,7 +136,8 @@ def prefill(
     last = None
     with use_length(model, _cache_offset(cache) + ids.size):
         for start in range(0, ids.size, chunk):
-            logits = model(ids[None, start : start + chunk], cache=cache)[0].astype(mx.float32)
+            logits = eval_logits(model, ids[None, start : start + chunk], cache, on_chunk is None)[0]
+            logits = logits.astype(mx.float32)
             if on_chunk is not None:
                 on_chunk(start, logits)
             last = logits[-1]

@@ -1,0 +1,51 @@
+"""An evaluation forward pass: fast CPU attention, and the output head only where logits are needed.
+
+`eval_logits(model, inputs, cache, last_only)` runs `model` under `pose_mlx.cpu_attention.fast_attention`
+(a no-op off the CPU). With `last_only` it returns the logits of the last position only, (B, 1, vocab):
+generation and passkey prompts need nothing else, and at SmolLM2-135M's size the head (hidden x vocab) costs
+as much as 8 transformer layers per token. That needs the model's hidden states before the head, which
+mlx-lm's llama-like families expose as `model.model(inputs, cache)`, followed by `lm_head` or, with tied
+embeddings, `model.model.embed_tokens.as_linear` (`output_head`); for any other family the full forward
+runs and its last row is returned.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from . import backend as _backend  # noqa: F401  (fast BLAS before mlx)
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .cpu_attention import fast_attention
+
+#: mlx-lm modules whose `Model.__call__` is exactly `head(self.model(inputs, cache))` with `head` chosen by
+#: `args.tie_word_embeddings` (mistral is built by the llama module).
+PLAIN_HEAD_MODULES = frozenset({
+    "mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3", "mlx_lm.models.phi3",
+    "mlx_lm.models.starcoder2",
+})
+
+
+def output_head(model: nn.Module) -> Callable[[mx.array], mx.array] | None:
+    """The map from final hidden states to logits of a plain-head family, or None for other families."""
+    inner, args = getattr(model, "model", None), getattr(model, "args", None)
+    if type(model).__module__ not in PLAIN_HEAD_MODULES or inner is None or args is None:
+        return None
+    if getattr(args, "tie_word_embeddings", False):
+        return inner.embed_tokens.as_linear
+    return getattr(model, "lm_head", None)
+
+
+def eval_logits(model: nn.Module, inputs: mx.array, cache=None, last_only: bool = False) -> mx.array:
+    """`model(inputs, cache=cache)` (B, L, vocab) with fast CPU attention; (B, 1, vocab) with `last_only`."""
+    with fast_attention(model):
+        head = output_head(model) if last_only else None
+        if head is None:
+            logits = model(inputs, cache=cache)
+            return logits[:, -1:] if last_only else logits
+        return head(model.model(inputs, cache)[:, -1:])
+
+
+__all__ = ["PLAIN_HEAD_MODULES", "eval_logits", "output_head"]
