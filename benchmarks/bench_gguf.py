@@ -42,7 +42,7 @@ def main() -> int:
     if not args.gguf.is_file():
         sys.exit(f"bench_gguf: {args.gguf} not found; run `python tools/fetch_smollm2.py`")
 
-    import pose_mlx  # noqa: F401  (fast BLAS before mlx)
+    import pose_mlx  # noqa: F401
 
     import mlx.core as mx
 

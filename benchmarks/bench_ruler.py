@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import pose_mlx  # noqa: F401  (fast BLAS before mlx)
+import pose_mlx  # noqa: F401
 
 from common import write_results
 from pose_mlx import haystack, longctx, ruler, ruler_tasks, toy

@@ -45,7 +45,6 @@ from typing import Iterator
 
 import numpy as np
 
-from . import backend as _backend  # noqa: F401  (fast BLAS before mlx)
 
 import mlx.core as mx
 import mlx.nn as nn

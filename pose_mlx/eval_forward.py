@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-from . import backend as _backend  # noqa: F401  (fast BLAS before mlx)
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 
-import pose_mlx  # noqa: F401  (fast BLAS before mlx)
 
 import mlx.core as mx
 from mlx.utils import tree_flatten

@@ -20,7 +20,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import pose_mlx  # noqa: F401  (fast BLAS before mlx)
 
 import mlx.core as mx
 import mlx.nn as nn

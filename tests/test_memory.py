@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-import pose_mlx  # noqa: F401  (fast BLAS before mlx)
 from pose_mlx import memory
 from pose_mlx.errors import UserError
 
