@@ -75,6 +75,10 @@ def test_lora_changes_weights_and_no_fuse_keeps_adapters(tiny_model, text_dir, t
     m_fused, _ = load(str(tmp_path / "fused"))
     m_split, _ = load(str(tmp_path / "split"), adapter_path=str(tmp_path / "split"))
     np.testing.assert_allclose(_logits(m_split, ids), _logits(m_fused, ids), atol=1e-4)
+    from pose_mlx import load as pose_load  # our loader (and so the evaluators) applies the adapters itself
+
+    m_ours, _ = pose_load(str(tmp_path / "split"))
+    np.testing.assert_allclose(_logits(m_ours, ids), _logits(m_fused, ids), atol=1e-4)
 
 
 def test_full_finetune_and_grad_options(tiny_model, text_dir, tmp_path, capsys):

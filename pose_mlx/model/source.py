@@ -177,9 +177,9 @@ def quiet_transformers() -> None:
 
 
 def load(ref: ModelRef | str | Path, *, return_config: bool = False, apply_schedule: bool = True):
-    """(model, tokenizer) of `ref` - like `mlx_lm.load`, plus (with `return_config`) the config dict -, the
-    schedule in a folder's pose_mlx.json re-applied unless `apply_schedule=False` (then the model is exactly
-    what its config.json describes)."""
+    """(model, tokenizer) of `ref` - like `mlx_lm.load`, plus (with `return_config`) the config dict -, with the
+    LoRA adapters of a folder exported with `--no-fuse` applied, and the schedule in its pose_mlx.json re-applied
+    unless `apply_schedule=False` (then the model is exactly what its config.json describes)."""
     quiet_transformers()
     if not isinstance(ref, ModelRef):
         ref = resolve(str(ref))
@@ -202,6 +202,11 @@ def load(ref: ModelRef | str | Path, *, return_config: bool = False, apply_sched
     except (OSError, ValueError, RuntimeError, KeyError) as error:  # missing/corrupt weights or tokenizer files
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
         raise UserError(f"--model {ref.name}: cannot load it ({type(error).__name__}: {reason})") from None
+    if (ref.path / "adapter_config.json").is_file() and (ref.path / "adapters.safetensors").is_file():
+        from mlx_lm.utils import load_adapters  # a folder exported with --no-fuse: base weights + LoRA adapters
+
+        model = load_adapters(model, str(ref.path))
+        model.eval()
     if apply_schedule and (ref.path / SCHEDULE_FILE).is_file():
         from .patch import apply_saved_extension
 
