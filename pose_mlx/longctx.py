@@ -186,17 +186,23 @@ def chunked_logits(model: nn.Module, tokens, chunk: int = DEFAULT_CHUNK) -> np.n
 # ------------------------------------------------------------------------------------------------ memory
 
 
-def check_memory(info: "EvalModel", lengths: list[int], chunk: int, force: bool = False) -> str:
+def check_memory(info: "EvalModel", lengths: list[int], chunk: int, force: bool = False,
+                 all_logits: bool = True) -> str:
     """The predicted peak of evaluating the longest length (`pose_mlx.memory.eval_memory`: weights, KV cache,
-    one chunk's scores, logits and activations) against the memory this machine offers: UserError above it, or
-    only a warning with `force`. Returns the prediction in words."""
+    one chunk's scores, logits - every position's, or the last one's when not `all_logits` - and activations)
+    against the memory this machine offers: UserError above it, or only a warning with `force`. Returns the
+    prediction in words."""
     from .memory import available_memory, eval_memory, format_size
 
-    estimate = eval_memory(info.config, max(lengths), chunk)
-    parts = ", ".join(f"{k.replace('_', ' ')} {format_size(v)}" for k, v in estimate.breakdown.items())
-    described = f"{format_size(estimate.peak)} at {max(lengths)} tokens ({parts})"
+    estimate = eval_memory(info.config, max(lengths), chunk, all_logits=all_logits)
+    parts = {k.replace("_", " "): v for k, v in estimate.breakdown.items() if v}
+    if estimate.details["numpy_bytes"]:
+        parts["attention tiles (NumPy)"] = estimate.details["numpy_bytes"]
+    total = estimate.peak + estimate.details["numpy_bytes"]
+    described = (f"{format_size(total)} at {max(lengths)} tokens ("
+                 + ", ".join(f"{k} {format_size(v)}" for k, v in parts.items()) + ")")
     available, where = available_memory()
-    if estimate.peak > available:
+    if total > available:
         message = (f"--lengths: evaluation needs about {described}, more than the {format_size(available)} this "
                    f"machine offers ({where}); use shorter --lengths or a smaller --chunk (or --force)")
         if not force:

@@ -664,32 +664,48 @@ def check_fits(config: dict | Architecture, settings: TrainSettings, max_memory:
 # ------------------------------------------------------------------------------------------- evaluation
 
 KV_CACHE_STEP = 256  # mlx-lm's KVCache grows its buffers by this many positions
+TILE_BYTES = 32 << 20  # pose_mlx.cpu_attention's score tile per worker
 
 
-def eval_memory(config: dict | Architecture, length: int, chunk: int = 512) -> Estimate:
+def eval_memory(config: dict | Architecture, length: int, chunk: int = 512, *, all_logits: bool = True,
+                cpu_attention: bool | None = None) -> Estimate:
     """Peak bytes of scoring one `length`-token sequence by chunked prefill (`pose_mlx.longctx.prefill`, what
-    `pose_mlx.perplexity` and `pose_mlx.passkey` run), chunk C = min(chunk, length):
+    `pose_mlx.perplexity`, `pose_mlx.passkey` and `pose_mlx.ruler` run), chunk C = min(chunk, length):
 
         weights + KV cache (2 x layers x kv_heads x head_dim x L x bytes, L rounded up to mlx-lm's 256-step
         buffers) + one block's cache again (the old buffer while it grows) + one chunk's attention scores
-        (heads x C x L) + two chunk logits in fp32 (the cast and the log-sum-exp's temporary) + one chunk's
-        activations (13 x C x hidden + C x intermediate, measured on small llamas with MLX's CPU backend).
+        (heads x C x L, on MLX's own attention path) + two chunk logits in fp32 (the cast and the log-sum-exp's
+        temporary; only the last position's when not `all_logits`: passkey, RULER) + one chunk's activations
+        (13 x C x hidden + C x intermediate, measured on small llamas with MLX's CPU backend).
+
+    On the CPU backend attention runs through `pose_mlx.cpu_attention` (`cpu_attention`, default: whether MLX's
+    default device is the CPU): its scores live in NumPy tiles (at most `TILE_BYTES` per worker) outside MLX's
+    allocator, so `peak` (what `mx.get_peak_memory()` measures) leaves them out and `details["numpy_bytes"]`
+    holds them; the memory a machine needs is the sum.
     """
     arch = config if isinstance(config, Architecture) else architecture(config)
     if length < 1 or chunk < 1:
         raise UserError(f"length {length} and chunk {chunk} must be positive")
+    if cpu_attention is None:
+        import mlx.core as mx
+
+        cpu_attention = mx.default_device() == mx.cpu
     c = arch.dtype_bytes
     C = min(chunk, length)
     capacity = -(-length // KV_CACHE_STEP) * KV_CACHE_STEP
     cache = 2 * arch.layers * arch.kv_dims * capacity * c
+    scores = arch.heads * C * length * c * (2 if arch.spec.softcap else 1)
+    rows = C if all_logits else 1
     breakdown = {
         "weights": arch.weight_bytes(),
         "kv_cache": cache + cache // arch.layers,
-        "attention_scores": arch.heads * C * length * c * (2 if arch.spec.softcap else 1),
-        "logits": 2 * C * arch.vocab * 4 + (C * arch.vocab * c if c < 4 else 0),
+        "attention_scores": 0 if cpu_attention else scores,
+        "logits": 2 * rows * arch.vocab * 4 + (rows * arch.vocab * c if c < 4 else 0),
         "activations": (13 * arch.hidden + arch.intermediate) * C * c,
     }
+    numpy_bytes = min(scores, 2 * TILE_BYTES) if cpu_attention else 0  # two workers' score tiles
     details = {"parameters": arch.parameter_counts()["total"], "length": length, "chunk": C,
                "kv_cache_per_token": 2 * arch.layers * arch.kv_dims * c, "family": arch.family,
-               "known_family": arch.known, "warnings": list(arch.warnings)}
+               "known_family": arch.known, "warnings": list(arch.warnings), "numpy_bytes": numpy_bytes,
+               "cpu_attention": cpu_attention}
     return Estimate(sum(breakdown.values()), "eval", breakdown, details)

@@ -237,7 +237,7 @@ def main(argv=None) -> int:
             raise UserError(f"--lengths: the model's window {info.maximum} is shorter than the passkey "
                             f"template ({template} tokens); pass --lengths {2 ** (template - 1).bit_length()} "
                             "(or longer) to test beyond the window")
-    estimate = longctx.check_memory(info, lengths, args.chunk, args.force)
+    estimate = longctx.check_memory(info, lengths, args.chunk, args.force, all_logits=False)
     build_prompt(info.tokenizer, longctx.bos_id(info.tokenizer), min(lengths), 0.5, 99_999)  # template fits?
     print(f"model {info.path}: schedule {info.schedule}; original window {info.original}, "
           f"max {info.maximum}; memory estimate {estimate}", file=sys.stderr)

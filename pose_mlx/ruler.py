@@ -294,7 +294,7 @@ def main(argv=None) -> int:
         raise UserError(f"--lengths: {max(lengths)} is beyond the model's window of {info.maximum} tokens; "
                         "extend it with --schedule/--target, or pass --force to test beyond the window")
     answer = args.max_new_tokens or max(TASKS[t].max_new_tokens for t in tasks)
-    estimate = longctx.check_memory(info, [max(lengths) + answer], args.chunk, args.force)
+    estimate = longctx.check_memory(info, [max(lengths) + answer], args.chunk, args.force, all_logits=False)
     builder = PromptBuilder(info.tokenizer, args.samples, args.seed, args.depths, args.haystack,
                             False if args.no_chat else None)
     for task in tasks:  # every template fits the shortest length (else a UserError names the task)

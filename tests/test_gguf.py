@@ -530,6 +530,9 @@ def test_convert_command_exit_code(bad_files, tmp_path):
 
 # ------------------------------------------------------------------------------------ the real model
 
+DOCS = Path("/usr/share/doc/python3.11/html/_sources/tutorial/controlflow.rst.txt")
+
+
 @pytest.fixture(scope="module")
 def real(smollm2):
     return smollm2
