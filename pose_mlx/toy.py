@@ -18,7 +18,6 @@ from __future__ import annotations
 import io
 import os
 import json
-import shutil
 import sysconfig
 from pathlib import Path
 from typing import Iterable
@@ -26,8 +25,8 @@ from typing import Iterable
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-#: Tokenizer files copied between folders (the first two are required).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json")
+#: Tokenizer files a toy folder needs (copied with the others by `pose_mlx.model.export.copy_tokenizer_files`).
+REQUIRED_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 #: Directory names treated as test suites by `stdlib_texts(include_tests=False)`.
 TEST_DIRS = frozenset({"test", "tests", "idle_test"})
 #: Characters of standard-library text used when `make_model_folder` trains a tokenizer itself.
@@ -155,7 +154,7 @@ def tokenizer_info(folder) -> dict:
     from tokenizers import Tokenizer
 
     folder = Path(folder)
-    missing = [name for name in TOKENIZER_FILES[:2] if not (folder / name).is_file()]
+    missing = [name for name in REQUIRED_TOKENIZER_FILES if not (folder / name).is_file()]
     if missing:
         raise ValueError(f"tokenizer folder {folder} lacks {', '.join(missing)}")
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
@@ -171,14 +170,14 @@ def tokenizer_info(folder) -> dict:
 
 
 def copy_tokenizer(src, dst) -> Path:
-    """Copy the tokenizer files (`TOKENIZER_FILES` that exist) from folder `src` into folder `dst`."""
+    """Copy the tokenizer files of folder `src` (validated first) into folder `dst`."""
+    from .model.export import copy_tokenizer_files
+
     src, dst = Path(src), Path(dst)
     tokenizer_info(src)  # validates
     dst.mkdir(parents=True, exist_ok=True)
     if src.resolve() != dst.resolve():
-        for name in TOKENIZER_FILES:
-            if (src / name).is_file():
-                shutil.copyfile(src / name, dst / name)
+        copy_tokenizer_files(src, dst)
     return dst
 
 
@@ -280,5 +279,5 @@ def make_model_folder(folder, tokenizer_from=None, texts: Iterable[str] | None =
     return save_model_folder(build_model(config, seed), config, folder, folder)
 
 
-__all__ = ["DEFAULT_TOKENIZER_CHARS", "TOKENIZER_FILES", "copy_tokenizer", "make_model_folder",
+__all__ = ["DEFAULT_TOKENIZER_CHARS", "REQUIRED_TOKENIZER_FILES", "copy_tokenizer", "make_model_folder",
            "model_config", "save_model_folder", "stdlib_texts", "tokenizer_info", "train_tokenizer"]
