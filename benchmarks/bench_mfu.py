@@ -82,7 +82,7 @@ def make_variant(args, corpus, config: TrainConfig):
 
     def step() -> tuple[float, float]:
         t0 = time.perf_counter()
-        loss, _norm, _tokens = update(batches)
+        loss = update(batches).loss
         return time.perf_counter() - t0, loss
 
     return model, step

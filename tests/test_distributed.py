@@ -3,6 +3,7 @@ give the per-step losses of 1 process with batch 2b over the same examples (<= 1
 --resume of the whole group. Runs the real CLI in subprocesses."""
 
 
+import json
 import os
 import shutil
 import signal
@@ -18,6 +19,9 @@ from pose_mlx.training.data import ExampleStream, TokenizedCorpus
 
 STEPS = 12
 LAUNCH = shutil.which("mlx.launch", path=os.path.dirname(sys.executable)) or shutil.which("mlx.launch")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: Scripts run from a temporary folder import the pose_mlx of this checkout.
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
 
 
 def _args(model, data, out, cache, batch, *extra):
@@ -30,7 +34,7 @@ def _args(model, data, out, cache, batch, *extra):
 def _launch(args, **popen):
     return subprocess.Popen([LAUNCH, "-n", "2", "--backend", "ring", "--", sys.executable, *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            **popen)
+                            env=ENV, **popen)
 
 
 def _corpus(lengths):
@@ -58,7 +62,7 @@ def reference(tiny_model, text_dir, tmp_path_factory):
     """Losses of one process with batch 2."""
     out = tmp_path_factory.mktemp("single") / "out"
     subprocess.run([sys.executable, *_args(tiny_model, text_dir, out, out.parent / "cache", 2)], check=True,
-                   capture_output=True)
+                   capture_output=True, env=ENV)
     return [r["loss"] for r in read_log(out / "train_log.jsonl")]
 
 
@@ -117,7 +121,7 @@ def test_resume_with_another_world_size_is_refused(tiny_model, text_dir, tmp_pat
     settings = parse_invocation(_args(tiny_model, text_dir, out, tmp_path / "cache", 1)[2:]).settings
     save_run_file(settings, partial, world_size=2)
     code = subprocess.run([sys.executable, *_args(tiny_model, text_dir, out, tmp_path / "cache", 1, "--resume")],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=ENV)
     assert code.returncode == 2 and "had 2 ranks" in code.stderr and "Traceback" not in code.stderr
 
 
@@ -143,10 +147,11 @@ def test_stopped_ranks_report_once(tiny_model, text_dir, tmp_path):
     _, stderr = proc.communicate(timeout=60)
     assert not out.exists()
     assert stderr.count("stopped: interrupted by SIGTERM") == 1, stderr
-    state = __import__("json").loads((tmp_path / "out.partial" / "checkpoint" / "state.json").read_text())
+    state = json.loads((tmp_path / "out.partial" / "checkpoint" / "state.json").read_text())
     assert state["step"] == len(read_log(log)) < 400
 
 
+@pytest.mark.skipif(LAUNCH is None, reason="mlx.launch is not installed")
 def test_weighted_mean_with_unequal_counts(tmp_path):
     """Two ranks holding 3 and 1 target tokens: sum_r n_r x_r / sum_r n_r, not the plain mean of the ranks."""
     script = tmp_path / "mean.py"
@@ -158,8 +163,143 @@ def test_weighted_mean_with_unequal_counts(tmp_path):
         "value = {'a': mx.array([[2.0, 4.0], [10.0, 0.0]][world.rank])}\n"
         "mean = world.weighted_mean(value, count)['a'].tolist()\n"
         "print(f'rank {world.rank} {mean[0]:.6f} {mean[1]:.6f} {world.all_sum(count).item():.1f}')\n")
-    proc = subprocess.run([LAUNCH, "-n", "2", "--backend", "ring", "--", sys.executable, str(script)],
-                          capture_output=True, text=True, timeout=120)
-    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
+    lines = _run_ranks(script)
     # (3 * [2, 4] + 1 * [10, 0]) / 4 = [4, 3] on both ranks; the plain mean of the ranks would be [6, 2]
-    assert lines == ["rank 0 4.000000 3.000000 4.0", "rank 1 4.000000 3.000000 4.0"], proc.stdout + proc.stderr
+    assert lines == ["rank 0 4.000000 3.000000 4.0", "rank 1 4.000000 3.000000 4.0"]
+
+
+def _run_ranks(script, *args, ranks=2):
+    """stdout lines starting with "rank " of `script` run by `ranks` processes (mlx.launch ring), sorted."""
+    command = [sys.executable, str(script), *map(str, args)]
+    if ranks > 1:
+        command = [LAUNCH, "-n", str(ranks), "--backend", "ring", "--", *command]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=180, env=ENV)
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
+    assert len(lines) == ranks, proc.stdout + proc.stderr
+    return lines
+
+
+FLAT_SCRIPT = """
+import json, pose_mlx, mlx.core as mx, numpy as np
+from mlx.utils import tree_flatten
+from pose_mlx.training.distributed import flat_all_sum, init
+
+world = init()
+r = world.rank
+tree = {"w": mx.array(np.arange(12, dtype=np.float32).reshape(3, 4) * (r + 1) - 5.5),
+        "blocks": [mx.array([1.5, -2.0, 3.25, 0.5, 8.0], dtype=mx.bfloat16) * (2 * r + 1),
+                   mx.array(np.full((2, 2, 2), 0.25 + r, dtype=np.float16)),
+                   mx.array(7.0 - 3 * r)],
+        "ids": mx.array([1, 2, 3], dtype=mx.int32) * (r + 2)}
+count = mx.array([3.0, 1.0][r])
+leaves = [x for _, x in tree_flatten(tree)]
+out = {
+    "flat": [(str(x.dtype), np.array(x.astype(mx.float32)).tolist()) for _, x in tree_flatten(world.all_sum(tree))],
+    "per_parameter": [np.array(mx.distributed.all_sum(x).astype(mx.float32)).tolist() for x in leaves],
+    "buckets": [np.array(x.astype(mx.float32)).tolist() for x in flat_all_sum(leaves, world.group, limit=5)],
+    "mean": [(str(x.dtype), np.array(x.astype(mx.float32)).tolist())
+             for _, x in tree_flatten(world.weighted_mean({k: v for k, v in tree.items() if k != "ids"}, count))],
+    "mean_per_parameter": [np.array((mx.distributed.all_sum(x.astype(mx.float32) * count) / mx.distributed.all_sum(count))).tolist()
+                           for x in leaves[:-1]],
+    "inputs": [np.array(x.astype(mx.float32)).tolist() for x in leaves],
+}
+print(f"rank {r} " + json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(LAUNCH is None, reason="mlx.launch is not installed")
+def test_flattened_all_reduce_equals_per_parameter(tmp_path):
+    """One flattened all-reduce of a tree of mixed shapes and dtypes (float32, bfloat16, float16, a scalar, int32)
+    gives what an all_sum per parameter gives, leaf dtypes kept, also cut in buckets of 5 elements; the token-weighted
+    mean over 2 ranks with 3 and 1 tokens is (3 x_0 + x_1) / 4 per leaf, computed here in float64 from both ranks'
+    inputs."""
+    script = tmp_path / "flat.py"
+    script.write_text(FLAT_SCRIPT)
+    lines = _run_ranks(script)
+    results = [json.loads(line.split(" ", 2)[2]) for line in lines]
+    assert results[0]["flat"] == results[1]["flat"] and results[0]["mean"] == results[1]["mean"]
+    ours = results[0]
+    assert [dtype for dtype, _ in ours["flat"]] == ["mlx.core.float32", "mlx.core.bfloat16", "mlx.core.float16",
+                                                     "mlx.core.float32", "mlx.core.int32"]
+    for (_, flat), per_parameter, bucketed in zip(ours["flat"], ours["per_parameter"], ours["buckets"]):
+        np.testing.assert_array_equal(np.array(flat), np.array(per_parameter))  # these sums are exact in every dtype
+        np.testing.assert_array_equal(np.array(bucketed), np.array(per_parameter))
+    inputs = [[np.array(x, dtype=np.float64) for x in r["inputs"]] for r in results]
+    tolerance = {"mlx.core.bfloat16": 1e-2, "mlx.core.float16": 1e-3, "mlx.core.float32": 1e-6}
+    assert len(ours["mean"]) == 4
+    for (dtype, mean), old, x0, x1 in zip(ours["mean"], ours["mean_per_parameter"], *inputs):
+        expected = (3 * x0 + 1 * x1) / 4
+        np.testing.assert_allclose(np.array(mean), expected, rtol=tolerance[dtype], atol=0)
+        np.testing.assert_allclose(np.array(mean), np.array(old), rtol=tolerance[dtype], atol=0)
+    plain = (inputs[0][0] + inputs[1][0]) / 2  # the unweighted mean differs: the weighting is really applied
+    assert np.abs(np.array(ours["mean"][0][1]) - plain).max() > 1
+
+
+STOP_SCRIPT = """
+import os, signal, sys
+import numpy as np
+import pose_mlx
+from pose_mlx import extend, use_positions
+from pose_mlx.model.source import build_model
+from pose_mlx.toy import model_config
+from pose_mlx.training.checkpoint import read_state
+from pose_mlx.training.data import ExampleStream, TokenizedCorpus
+from pose_mlx.training.distributed import init
+from pose_mlx.training.loop import Interrupted, TrainConfig, train
+
+world = init()
+signal_at, steps, run_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+tokens = np.random.default_rng(0).integers(3, 64, size=4 * 200).astype(np.int32)
+corpus = TokenizedCorpus(tokens, np.arange(5, dtype=np.int64) * 200, np.arange(4), "t", {})
+
+
+class Stream:
+    \"\"\"This rank's batches; the last rank sends itself SIGTERM while drawing batch `signal_at` (inside an update).\"\"\"
+
+    def __init__(self):
+        self.inner = ExampleStream(corpus, 16, 64, batch_size=1, seed=0, rank=world.rank, world=world.size)
+
+    def __iter__(self):
+        for drawn, batch in enumerate(self.inner, 1):
+            if drawn == signal_at and world.rank == world.size - 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+            yield batch
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state):
+        self.inner.load_state_dict(state)
+
+
+model = build_model(model_config(64, hidden_size=16, num_layers=1, num_heads=2, max_position_embeddings=16), seed=0)
+extend(model, "linear", 16, 64)
+model.unfreeze()
+config = TrainConfig(steps=steps, lr=1e-3, warmup=0, progress=False)
+try:
+    train(model, Stream(), config, run_dir, use_positions, world=world)
+    outcome = "finished"
+except Interrupted as stopped:
+    outcome = f"interrupted {stopped.step}"
+saved = read_state(os.path.join(run_dir, "checkpoint"))["step"] if world.is_main else None
+print(f"rank {world.rank} {outcome} saved {saved}")
+"""
+
+
+@pytest.mark.parametrize("ranks, signal_at, expected", [
+    (1, 2, "interrupted 2"),  # one process sees its signal at once
+    (2, 2, "interrupted 3"),  # the flag travels with the next update's all-reduce: both ranks stop after it
+    (2, 5, "interrupted 5"),  # a signal during the last update is caught by the check after the loop
+    (2, 0, "finished"),
+])
+def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(tmp_path, ranks, signal_at, expected):
+    """SIGTERM reaches only the last rank, inside update `signal_at` of 5: every rank raises Interrupted at the
+    same step, rank 0 has saved the checkpoint of that step."""
+    if ranks > 1 and LAUNCH is None:
+        pytest.skip("mlx.launch is not installed")
+    script = tmp_path / "stop.py"
+    script.write_text(STOP_SCRIPT)
+    (tmp_path / "run").mkdir()
+    lines = _run_ranks(script, signal_at, 5, tmp_path / "run", ranks=ranks)
+    step = expected.split()[-1] if expected != "finished" else "5"
+    assert lines == [f"rank 0 {expected} saved {step}"] + [f"rank {r} {expected} saved None" for r in range(1, ranks)]

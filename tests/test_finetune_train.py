@@ -217,7 +217,7 @@ def test_compiled_update_equals_eager(grad_accum, checkpoint, lora):
     for key in ((True, checkpoint), (False, checkpoint)):
         other, w_other = runs[key]
         np.testing.assert_allclose(np.array(other)[:, :2], np.array(eager)[:, :2], atol=1e-5, rtol=1e-5)
-        assert [t for _, _, t in other] == [t for _, _, t in eager] == [2 * 15 * grad_accum] * 6
+        assert [r.tokens for r in other] == [r.tokens for r in eager] == [2 * 15 * grad_accum] * 6
         for name, value in w_eager.items():
             np.testing.assert_allclose(np.array(w_other[name]), np.array(value), atol=1e-5, rtol=0, err_msg=name)
 

@@ -17,8 +17,10 @@
   functions (position ids are an argument, model and optimizer state their implicit inputs and outputs);
   the math is the same as the eager path (`compile=False`), tested to 1e-5.
 - Data parallel (`world` from `pose_mlx.training.distributed.init()`): each rank's loss and gradients are combined
-  token-weighted over the ranks (`World.weighted_mean`); only rank 0 logs and writes checkpoints; a signal
-  on any rank stops every rank after the same step.
+  token-weighted over the ranks in one flattened all-reduce per micro-batch (`World.mean_of_sums`); only rank 0
+  logs and writes checkpoints. A signal on any rank stops every rank after the same step: the flag rides in the
+  next update's all-reduce (no host sync of its own), so the group stops after the update in which a rank sees
+  it or the next one; a signal during the last update is caught by one check after the loop.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -226,7 +228,7 @@ def train(model: nn.Module, stream, config: TrainConfig, run_dir, at_positions: 
         with _SignalFlag(announce=world.is_main) as flag, log_file as log:
             for step in range(start + 1, config.steps + 1):
                 t0 = time.perf_counter()
-                loss, grad_norm, tokens = update(batches)
+                loss, grad_norm, tokens, stop = update(batches, stop=flag.signum is not None)
                 seconds = time.perf_counter() - t0
                 last = {"step": step, "loss": loss, "lr": float(optimizer.learning_rate.item()),
                         "grad_norm": grad_norm, "tokens": tokens, "tokens_per_s": tokens / max(seconds, 1e-9),
@@ -242,7 +244,8 @@ def train(model: nn.Module, stream, config: TrainConfig, run_dir, at_positions: 
                         eval_loss = last["eval_loss"] = evaluate(model, eval_batches(), at_positions)
                     append_log(log, last)
                 bar.update(last, eval_loss)
-                stop = world.any(flag.signum is not None)
+                # one rank: the signal is seen at once; several: it travels with the next update's all-reduce
+                stop = stop or (world.size == 1 and flag.signum is not None)
                 if stop or step == config.steps or (config.save_every and step % config.save_every == 0):
                     if world.is_main:
                         try:
@@ -252,6 +255,8 @@ def train(model: nn.Module, stream, config: TrainConfig, run_dir, at_positions: 
                     saved_step = step
                 if stop:
                     raise Interrupted(flag.signum or signal.SIGTERM, step, world)
+            if world.any(flag.signum is not None):  # a signal during the last update (saved above) still stops
+                raise Interrupted(flag.signum or signal.SIGTERM, config.steps, world)
     finally:
         bar.close()
         if restore_call is not None:
@@ -296,23 +301,42 @@ def truncate_log(path: Path, step: int) -> None:
     tmp.replace(path)
 
 
+class UpdateResult(NamedTuple):
+    """What one optimizer update reports (the same numbers on every rank)."""
+
+    loss: float  # mean loss over the update's micro-batches (each token-weighted over the ranks)
+    grad_norm: float  # global gradient norm before clipping
+    tokens: int  # target tokens of the update, all ranks together
+    stop: bool  # some rank called the update with stop=True
+
+
+def token_sum_loss(model: nn.Module, inputs: mx.array, targets: mx.array, mask: mx.array) -> mx.array:
+    """n * `masked_loss` with n = sum_t mask_t: the summed cross-entropy whose gradient is n times the mean's."""
+    return masked_loss(model, inputs, targets, mask) * mask.sum()
+
+
 def make_update(model: nn.Module, optimizer: optim.Optimizer, config: TrainConfig, at_positions: Callable,
                 world: World = SINGLE):
-    """`update(batches) -> (mean loss, grad norm, tokens of all ranks)`: one optimizer update over
-    `config.grad_accum` micro-batches drawn from the iterator `batches`.
+    """`update(batches, stop=False) -> UpdateResult`: one optimizer update over `config.grad_accum` micro-batches
+    drawn from the iterator `batches`.
 
     Gradients of each micro-batch are combined over the ranks token-weighted, averaged over the micro-batches,
-    clipped to `config.max_grad_norm` and applied by `optimizer`. Build it after any checkpoint was loaded:
-    the compiled functions hold on to the model's and the optimizer's state.
+    clipped to `config.max_grad_norm` and applied by `optimizer`. With several ranks each micro-batch costs one
+    all-reduce (`World.mean_of_sums`: the gradients of the summed loss, the summed loss, the token count and
+    `stop`, flattened), so a stop request travels with the gradients and needs no sync of its own; with one rank
+    `stop` is returned as given. Build it after any checkpoint was loaded: the compiled functions hold on to the
+    model's and the optimizer's state.
     """
-    value_and_grad = nn.value_and_grad(model, masked_loss)
+    distributed = world.size > 1
+    value_and_grad = nn.value_and_grad(model, token_sum_loss if distributed else masked_loss)
 
-    def gradients(inputs, targets, mask, positions):
+    def gradients(inputs, targets, mask, positions, stop):
         with at_positions(model, positions):
             loss, grads = value_and_grad(model, inputs, targets, mask)
-        count = mask.sum()
-        loss, grads = world.weighted_mean((loss, grads), count)
-        return loss, grads, world.all_sum(count)
+        if not distributed:
+            return loss, grads, mask.sum(), stop
+        (loss, grads), count, stop = world.mean_of_sums((loss, grads), mask.sum(), stop)
+        return loss, grads, count, stop
 
     def apply(grads):
         grads, norm = optim.clip_grad_norm(grads, config.max_grad_norm)
@@ -325,23 +349,26 @@ def make_update(model: nn.Module, optimizer: optim.Optimizer, config: TrainConfi
         state = [model.state, optimizer.state]
         apply = mx.compile(apply, inputs=state, outputs=state)
 
-    def update(batches) -> tuple[float, float, int]:
-        grads, losses, tokens = None, [], 0
+    def update(batches, stop: bool = False) -> UpdateResult:
+        grads, losses, tokens, stops = None, [], 0, 0
+        flag = mx.array(1.0 if stop else 0.0)
         for _ in range(config.grad_accum):
             batch = next(batches)
-            loss, g, count = gradients(mx.array(batch.inputs), mx.array(batch.targets), mx.array(batch.mask),
-                                       mx.array(batch.positions))
+            loss, g, count, asked = gradients(mx.array(batch.inputs), mx.array(batch.targets),
+                                              mx.array(batch.mask), mx.array(batch.positions), flag)
             if config.grad_accum > 1:
-                mx.eval(loss, g, count)  # one micro-batch's graph at a time
+                mx.eval(loss, g, count, asked)  # one micro-batch's graph at a time
             grads = g if grads is None else tree_map(mx.add, grads, g)
             losses.append(loss)
-            tokens += count
+            tokens, stops = tokens + count, stops + asked
         if config.grad_accum > 1:
             grads = tree_map(lambda x: x / config.grad_accum, grads)
         norm = apply(grads)
-        mean_loss = mx.mean(mx.stack(losses))
-        mx.eval(model.parameters(), optimizer.state, mean_loss, norm, tokens)
-        return float(mean_loss.item()), float(norm.item()), int(tokens.item())
+        mean_loss = losses[0] if len(losses) == 1 else mx.mean(mx.stack(losses))
+        report = mx.stack([mean_loss.astype(mx.float32), norm.astype(mx.float32), tokens, stops])
+        mx.eval(model.parameters(), optimizer.state, report)
+        loss, norm, tokens, stops = report.tolist()
+        return UpdateResult(loss, norm, int(tokens), stops > 0 if distributed else stop)
 
     return update
 
@@ -392,6 +419,6 @@ def check_not_collapsed(model: nn.Module, batch, at_positions: Callable, before:
                         "nothing was exported (start over with a lower --lr and --overwrite)")
 
 
-__all__ = ["Collapsed", "Interrupted", "NonFinite", "TrainConfig", "append_log", "check_not_collapsed", "evaluate",
-           "learning_rate_schedule", "make_optimizer", "make_update", "masked_loss", "probe_loss", "read_log",
-           "train", "truncate_log"]
+__all__ = ["Collapsed", "Interrupted", "NonFinite", "TrainConfig", "UpdateResult", "append_log", "check_not_collapsed",
+           "evaluate", "learning_rate_schedule", "make_optimizer", "make_update", "masked_loss", "probe_loss",
+           "read_log", "token_sum_loss", "train", "truncate_log"]
