@@ -31,10 +31,34 @@ def _args(model, data, out, cache, batch, *extra):
             "--no-progress", *extra]
 
 
-def _launch(args, **popen):
-    return subprocess.Popen([LAUNCH, "-n", "2", "--backend", "ring", "--", sys.executable, *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env=ENV, **popen)
+#: Process groups started by the running test (each launcher in a session of its own, with its ranks).
+LAUNCHED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_orphans():
+    """When a test ends, passed or failed, every group it started is killed: ranks of a failed test would
+    otherwise spin in the ring backend for the rest of the suite."""
+    yield
+    while LAUNCHED:
+        proc = LAUNCHED.pop()
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+
+
+def _start(command):
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env=ENV)
+    LAUNCHED.append(proc)
+    return proc
+
+
+def _launch(args):
+    return _start([LAUNCH, "-n", "2", "--backend", "ring", "--", sys.executable, *args])
 
 
 def _corpus(lengths):
@@ -173,9 +197,10 @@ def _run_ranks(script, *args, ranks=2):
     command = [sys.executable, str(script), *map(str, args)]
     if ranks > 1:
         command = [LAUNCH, "-n", str(ranks), "--backend", "ring", "--", *command]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=180, env=ENV)
-    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
-    assert len(lines) == ranks, proc.stdout + proc.stderr
+    proc = _start(command)
+    stdout, stderr = proc.communicate(timeout=180)
+    lines = sorted(line for line in stdout.splitlines() if line.startswith("rank "))
+    assert len(lines) == ranks, stdout + stderr
     return lines
 
 
