@@ -57,7 +57,7 @@ def measure(args, corpus, method: str, ratio: int) -> dict:
                           max_position_embeddings=args.window)
     model = build_model(config, seed=0)
     extend(model, "linear", args.window, target)
-    stream = ExampleStream(corpus, args.window, target, method=method, batch_size=args.batch, seed=ratio)
+    stream = ExampleStream(corpus, args.window, target, sampler=method, batch_size=args.batch, seed=ratio)
     with tempfile.TemporaryDirectory() as run_dir:
         train(model, stream, TrainConfig(steps=steps, lr=1e-4, warmup=1, progress=False), run_dir, use_positions)
         log = [json.loads(line) for line in (Path(run_dir) / "log.jsonl").read_text().splitlines()]

@@ -77,7 +77,7 @@ def make_variant(args, corpus, config: TrainConfig):
     (its `compile` flag picks the variant), on its own model and PoSE batch stream."""
     model = build(args)
     update = make_update(model, make_optimizer(config), config, use_positions)
-    batches = iter(ExampleStream(corpus, args.window, args.window * args.factor, method="pose",
+    batches = iter(ExampleStream(corpus, args.window, args.window * args.factor, sampler="pose",
                                  batch_size=args.batch, seed=0))
 
     def step() -> tuple[float, float]:

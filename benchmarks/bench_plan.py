@@ -170,7 +170,7 @@ def llama2_table() -> list[dict]:
                         if quant == "4-bit":
                             cfg["quantization"] = {"group_size": 64, "bits": 4}
                         settings = memory.TrainSettings(window=window, target=32768, lora=training == "LoRA",
-                                                        grad_checkpoint=checkpoint, method="pose")
+                                                        grad_checkpoint=checkpoint, sampler="pose")
                         est = memory.training_memory(cfg, settings)
                         rows.append({"model": model, "sampler": sampler, "base": quant, "training": training,
                                      "grad_checkpoint": checkpoint, "peak_bytes": est.peak, "phase": est.phase,

@@ -293,21 +293,21 @@ class TrainSettings:
     grad_checkpoint: bool = False
     compile: bool = True
     grad_accum: int = 1
-    method: str = "pose"  # the sampler; "full": full-length sampling, rows of `target` tokens
+    sampler: str = "pose"  # how position ids are drawn; "full": full-length sampling, rows of `target` tokens
     target: int | None = None
 
     def __post_init__(self):
         for name in ("window", "batch_size", "lora_rank", "grad_accum"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.method == "full" and not self.target:
+        if self.sampler == "full" and not self.target:
             raise UserError("full-length sampling (--sampler full) needs the target length")
 
     @property
     def row_tokens(self) -> int:
         """Tokens per row the model sees: inputs are a window (or, for --method full, the target) minus the
         last token, which is only a label."""
-        length = self.target if self.method == "full" else self.window
+        length = self.target if self.sampler == "full" else self.window
         return max(int(length) - 1, 1)
 
 
@@ -603,7 +603,7 @@ def make_plan(config: dict | Architecture, settings: TrainSettings, available: i
 
     largest_batch = _largest(lambda b: peak(batch_size=b) <= available, 1, 1 << 16)
     largest_window = 0
-    if settings.method != "full":
+    if settings.sampler != "full":
         high = max(settings.target or settings.window, settings.window)
         largest_window = _largest(lambda w: peak(window=w) <= available, 2, high)
     # in order of preference: the cheapest change to the run first
@@ -619,7 +619,7 @@ def make_plan(config: dict | Architecture, settings: TrainSettings, available: i
     q4 = replace(arch, quant_bits=4, quant_group=64) if not arch.quant_bits else arch
     if not arch.quant_bits:
         options.append(("a 4-bit quantized base with LoRA (mlx_lm.convert -q)", q4, {"lora": True}))
-    if settings.method != "full" and 2 <= largest_window < settings.window:
+    if settings.sampler != "full" and 2 <= largest_window < settings.window:
         options.append((f"a shorter training window (--window {largest_window})", arch, {"window": largest_window}))
     if sum(1 for text, _, _ in options if "window" not in text and "batch" not in text) > 1:
         options.append(("all of: a 4-bit base, LoRA and gradient checkpointing", q4,
@@ -636,7 +636,7 @@ def run_settings(run, window: int, target: int | None) -> TrainSettings:
     training window and target."""
     return TrainSettings(window=window, batch_size=run.batch_size, lora=not run.full, lora_rank=run.lora_rank,
                          lora_layers=run.lora_layers, grad_checkpoint=run.grad_checkpoint, compile=run.compile,
-                         grad_accum=run.grad_accum, method=run.sampler, target=target)
+                         grad_accum=run.grad_accum, sampler=run.sampler, target=target)
 
 
 def limit(run) -> tuple[int, str]:

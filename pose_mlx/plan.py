@@ -292,8 +292,8 @@ _ROWS = (
 def _describe_run(s: memory.TrainSettings, plan: memory.Plan) -> str:
     d = plan.estimate.details
     mode = (f"LoRA rank {s.lora_rank} on {d['trained_blocks']} blocks" if s.lora else "full fine-tuning")
-    sampler = (f"full-length rows of {s.target} tokens" if s.method == "full"
-               else f"{s.method} window {s.window}" + (f" (target {s.target})" if s.target else ""))
+    sampler = (f"full-length rows of {s.target} tokens" if s.sampler == "full"
+               else f"{s.sampler} window {s.window}" + (f" (target {s.target})" if s.target else ""))
     extras = [f"batch {s.batch_size}" + (f" x {s.grad_accum} accumulated" if s.grad_accum > 1 else ""),
               "compiled" if s.compile else "eager", "gradient checkpointing" if s.grad_checkpoint else "no checkpointing"]
     return f"{mode}, {sampler}, {', '.join(extras)}"
@@ -325,7 +325,7 @@ def render(plan: memory.Plan, arch: memory.Architecture, model: str, source: str
     else:
         lines.append(f"verdict: does NOT fit ({memory.format_size(est.peak - plan.available)} more than available)")
     batch = str(plan.largest_batch) if plan.largest_batch else "none"
-    window = "" if plan.settings.method == "full" else f"; largest window: {plan.largest_window or 'none'}"
+    window = "" if plan.settings.sampler == "full" else f"; largest window: {plan.largest_window or 'none'}"
     lines.append(f"largest batch that fits: {batch}{window}")
     if plan.suggestions:
         lines.append("changes and their predicted peaks:")

@@ -104,8 +104,8 @@ def test_bad_arguments():
         coverage_probability(10, 5)
     with pytest.raises(ValueError, match="chunks"):
         coverage_probability(10, 20, chunks=0)
-    with pytest.raises(ValueError, match="method"):
-        coverage_probability(10, 20, method="randpos")
+    with pytest.raises(ValueError, match="sampler"):
+        coverage_probability(10, 20, sampler="randpos")
     with pytest.raises(ValueError, match="coverage_monte_carlo"):
         coverage_probability(2048, 16384, chunks=3)
 

@@ -174,7 +174,7 @@ def test_lora_and_quantization_lower_the_peak():
 def test_pose_memory_follows_the_window_not_the_target():
     config = _llama()
     pose = [memory.training_memory(config, memory.TrainSettings(window=512, target=t)).peak for t in (2048, 16384)]
-    full = [memory.training_memory(config, memory.TrainSettings(window=512, target=t, method="full")).peak
+    full = [memory.training_memory(config, memory.TrainSettings(window=512, target=t, sampler="full")).peak
             for t in (2048, 16384)]
     assert pose[0] == pose[1]
     assert full[0] > pose[0] and full[1] > 10 * full[0]  # the score matrices grow with the square of the target

@@ -61,7 +61,7 @@ def test_flags_map_onto_settings(folder, capsys):
     assert config == CONFIG
     assert "ignoring flags the planner does not use: --frobnicate 7" in capsys.readouterr().err
     assert settings == memory.TrainSettings(window=1024, batch_size=4, lora=False, lora_layers=3,
-                                            grad_checkpoint=True, compile=False, grad_accum=2, method="full",
+                                            grad_checkpoint=True, compile=False, grad_accum=2, sampler="full",
                                             target=8192)
     assert settings.row_tokens == 8191  # full-length sampling trains on target-token rows
 

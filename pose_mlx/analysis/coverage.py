@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-EXACT_METHODS = ("pose", "pose-ref", "contiguous", "full")
+EXACT_SAMPLERS = ("pose", "pose-ref", "contiguous", "full")
 MC_METHODS = ("pose", "pose-ref", "randpos")
 MAX_LAYOUTS = 2_000_000
 
@@ -124,27 +124,27 @@ def _enumerate_exact(window: int, target: int, chunks: int) -> np.ndarray:
     return out
 
 
-def coverage_probability(window: int, target: int, method: str = "pose", chunks: int = 2) -> np.ndarray:
+def coverage_probability(window: int, target: int, sampler: str = "pose", chunks: int = 2) -> np.ndarray:
     """Exact P(distance r is covered by one example), float64 of shape (target,), index r (index 0 = distance 0 = 1).
 
-    method: "contiguous" (unextended, positions 0..Lc-1), "full" (0..Lt-1), "pose" (N = ``chunks``; N = 1, 2 in
+    sampler: "contiguous" (unextended, positions 0..Lc-1), "full" (0..Lt-1), "pose" (N = ``chunks``; N = 1, 2 in
     closed form, N >= 3 by exact enumeration of all layouts, ValueError above MAX_LAYOUTS), "pose-ref" (authors'
     code: N = 2, l_0 ~ U{1..ceil(Lc/2)}). RandPos has no exact routine here: use ``coverage_monte_carlo``.
     """
     _check(window, target, chunks)
-    if method == "contiguous" or (method == "pose" and (chunks == 1 or target == window)):
+    if sampler == "contiguous" or (sampler == "pose" and (chunks == 1 or target == window)):
         return _contiguous(window, target)
-    if method == "full":
+    if sampler == "full":
         return _contiguous(target, target)
-    if method == "pose":
+    if sampler == "pose":
         if chunks == 2:
             return _two_chunk(window, target, window - 1)
         return _enumerate_exact(window, target, chunks)
-    if method == "pose-ref":
+    if sampler == "pose-ref":
         if window < 2:
-            raise ValueError(f"window must be >= 2 for method='pose-ref', got {window}")
+            raise ValueError(f"window must be >= 2 for sampler='pose-ref', got {window}")
         return _two_chunk(window, target, (window + 1) // 2)
-    raise ValueError(f"method must be one of {EXACT_METHODS} for exact coverage, got {method!r}")
+    raise ValueError(f"sampler must be one of {EXACT_SAMPLERS} for exact coverage, got {sampler!r}")
 
 
 def sample_pose_batch(batch: int, window: int, target: int, chunks: int, rng: np.random.Generator,
@@ -180,13 +180,13 @@ def _randpos_covered(batch: int, window: int, target: int, rng: np.random.Genera
     return corr > 0.5
 
 
-def coverage_monte_carlo(window: int, target: int, method: str = "pose", chunks: int = 2, samples: int = 10_000,
+def coverage_monte_carlo(window: int, target: int, sampler: str = "pose", chunks: int = 2, samples: int = 10_000,
                          rng=None, batch: int = 512) -> tuple[np.ndarray, np.ndarray]:
     """Monte Carlo estimate of ``coverage_probability``: (mean, standard error), each float64 (target,).
-    method: "pose" (any N), "pose-ref", "randpos" (``window`` distinct sorted positions from [0, target))."""
+    sampler: "pose" (any N), "pose-ref", "randpos" (``window`` distinct sorted positions from [0, target))."""
     _check(window, target, chunks)
-    if method not in MC_METHODS:
-        raise ValueError(f"method must be one of {MC_METHODS}, got {method!r}")
+    if sampler not in MC_METHODS:
+        raise ValueError(f"sampler must be one of {MC_METHODS}, got {sampler!r}")
     if samples < 2:
         raise ValueError(f"samples must be >= 2, got {samples}")
     rng = np.random.default_rng(rng)
@@ -194,11 +194,11 @@ def coverage_monte_carlo(window: int, target: int, method: str = "pose", chunks:
     done = 0
     while done < samples:
         b = min(batch, samples - done)
-        if method == "randpos":
+        if sampler == "randpos":
             covered = _randpos_covered(b, window, target, rng)
         else:
-            n = 2 if method == "pose-ref" else chunks
-            lengths, biases = sample_pose_batch(b, window, target, n, rng, reference=method == "pose-ref")
+            n = 2 if sampler == "pose-ref" else chunks
+            lengths, biases = sample_pose_batch(b, window, target, n, rng, reference=sampler == "pose-ref")
             covered = _union_indicator(*_interval_ends(lengths, biases), target)
         total += covered.sum(axis=0)
         done += b

@@ -23,10 +23,10 @@ def _weights(config: SimConfig, runs: list[Run]) -> dict[str, float]:
     w = {"corpus": 0.02 * config.pretrain_steps * config.pretrain_batch * config.window + 1,
          "pretrain": config.pretrain_steps * config.pretrain_batch * config.window}
     for run in runs:
-        steps = 0 if run.method == "none" else config.cost_steps if run.cost_only else config.steps
+        steps = 0 if run.sampler == "none" else config.cost_steps if run.cost_only else config.steps
         factor = run.factor or config.factor
-        tokens = config.full_batch * config.window * (1 if run.cost_only and run.method == "pose" else factor)
-        attention = 2.6 if run.method == "full" else 1.0  # attention over Lt tokens (measured: 2.6x at 8x)
+        tokens = config.full_batch * config.window * (1 if run.cost_only and run.sampler == "pose" else factor)
+        attention = 2.6 if run.sampler == "full" else 1.0  # attention over Lt tokens (measured: 2.6x at 8x)
         w[f"finetune {run.name}"] = steps * tokens * attention + 1
         if not run.cost_only:
             w[f"evaluate {run.name}"] = config.test_docs * config.test_tokens * len(config.lengths) / 3 + 1
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
         if not run.cost_only:
             results["runs"][run.name] = entry
         else:
-            results["cost_vs_target"][run.method][str(run.factor * config.window)] = entry["cost"]
+            results["cost_vs_target"][run.sampler][str(run.factor * config.window)] = entry["cost"]
 
     results["claims"] = check_claims(results)
     results["wall_seconds"] = time.perf_counter() - t0

@@ -3,7 +3,7 @@
 
 Runs train on the same number of tokens: `steps` updates of `full_batch` sequences of Lt tokens (full-length)
 or `full_batch * Lt / Lc` sequences of Lc tokens (every other method). 'Original' and the schedule-only
-baselines ('PI-only', ...) are `--method none` runs: the pre-trained model patched and exported, no training
+baselines ('PI-only', ...) are `--sampler none` runs: the pre-trained model patched and exported, no training
 ('Original' with the identity schedule `none`). Cost runs time PoSE and full-length at Lt = 2 Lc ... the target
 with `cost_steps` updates in the paper's setting: the same number of sequences per update (`full_batch`) for
 both, Lc tokens each for PoSE, Lt for full-length.
@@ -23,7 +23,7 @@ from .. import finetune, passkey, perplexity
 class Run:
     name: str
     label: str
-    method: str  # finetune --method: none, pose, randpos, full
+    sampler: str  # finetune --sampler: none, pose, randpos, full
     scaling: str = "linear"
     chunks: int = 2
     content: str = "uniform"
@@ -47,8 +47,8 @@ def grid_runs(window: int, factor: int) -> list[Run]:
         runs.append(Run(f"pose-linear-{content}", f"PoSE v_i {content}", "pose", "linear", content=content))
     f = 2
     while f <= factor:
-        for method in ("pose", "full"):
-            runs.append(Run(f"cost-{method}-{f}x-equal-seqs", f"{method} @ {f}x", method, "linear", factor=f,
+        for sampler in ("pose", "full"):
+            runs.append(Run(f"cost-{sampler}-{f}x-equal-seqs", f"{sampler} @ {f}x", sampler, "linear", factor=f,
                             cost_only=True))
         f *= 2
     return runs
@@ -58,11 +58,11 @@ def finetune_args(run: Run, model: Path, data: Path, cache: Path, output: Path, 
                   steps: int, cost_steps: int, full_batch: int, lr: float, seed: int) -> list[str]:
     """The `pose_mlx.finetune` command line of `run` (full fine-tuning, no progress bar)."""
     f = run.factor or factor
-    args = ["--model", str(model), "--original", str(window), "--target", f"{f}x", "--scaling", run.scaling,
-            "--method", run.method, "--output", str(output)]
-    if run.method == "none":
+    args = ["--model", str(model), "--original", str(window), "--target", f"{f}x", "--schedule", run.scaling,
+            "--sampler", run.sampler, "--output", str(output)]
+    if run.sampler == "none":
         return args
-    batch = full_batch if run.method == "full" or run.cost_only else full_batch * f
+    batch = full_batch if run.sampler == "full" or run.cost_only else full_batch * f
     args += ["--full", "--data", str(data), "--cache-dir", str(cache), "--chunks", str(run.chunks),
              "--content", run.content, "--steps", str(cost_steps if run.cost_only else steps),
              "--batch-size", str(batch), "--lr", str(lr), "--warmup", str(max(1, steps // 10)),

@@ -1,0 +1,270 @@
+"""Data-parallel fine-tuning on one machine: per-update time of 1 rank vs 2 ranks (`mlx.launch --backend ring`)
+at the same global batch, and what the gradient all-reduce costs.
+
+Runs, interleaved (1 rank, 2 ranks, 1 rank, ...) for `--repeats` rounds, the product's update
+(`pose_mlx.training.loop.make_update`, compiled, PoSE batches from `pose_mlx.training.data.ExampleStream`) of a
+random-weight llama in worker processes:
+
+  1 rank    one process, global batch B, world of one rank (nothing communicated);
+  2 ranks   `mlx.launch -n 2 --backend ring`: each rank B / 2 rows of the same global batches.
+
+Every worker gets OPENBLAS_NUM_THREADS=`--threads` (default 1): the 2 ranks share this machine's cores, so each
+rank computes with one thread, and the 1-rank run too, which makes 1 rank vs 2 ranks a question of scaling over
+processes, not of BLAS threads. Inside each 2-rank worker, two updates alternate on two model copies with the same
+seeds: the group update (gradients all-reduced over the ranks) and a local update of the same rank's rows with
+nothing communicated (`World` of one rank). Their difference is the communication overhead of an update:
+
+    overhead = t_group - t_local,   overhead share = overhead / t_group.
+
+Linux shares the CPU between sessions (autogroups) before it shares it between processes: two ranks in one
+session get together what one process gets, however many cores are idle elsewhere. So every worker process starts
+its own session (`--shared-session` keeps them in this script's), as ranks on their own cores would be. CPU
+seconds per update (user + system, all threads) are recorded next to the wall clock: the load of a shared machine
+moves them little.
+
+Each worker also times the collective alone on a gradient-sized tree: one `all_sum` of the flattened tree (what
+the update does) and one `all_sum` per parameter (what it did before), medians over `--collective-reps`.
+The 2-rank losses must equal the 1-rank ones to `--loss-tol` (the same global batches), else nothing is written.
+Writes benchmarks/results/distributed.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from common import RESULTS_DIR, synthetic_corpus, write_results  # noqa: E402
+
+RESULT = "RESULT "
+
+
+def _median(values):
+    return statistics.median(values) if values else None
+
+
+# ------------------------------------------------------------------------------------------------ worker
+
+
+def worker(args) -> None:
+    """One rank: timed group and local updates, then the collective alone; prints one RESULT line."""
+    if not args.shared_session:
+        os.setsid()  # its own scheduling group (see --shared-session)
+    import pose_mlx  # noqa: F401  (the fast BLAS, before mlx.core)
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map
+
+    from pose_mlx import extend, use_positions
+    from pose_mlx.backend import status as blas_status
+    from pose_mlx.model.source import build_model
+    from pose_mlx.toy import model_config
+    from pose_mlx.training.data import ExampleStream
+    from pose_mlx.training.distributed import SINGLE, init
+    from pose_mlx.training.loop import TrainConfig, make_optimizer, make_update
+
+    world = init()
+    if args.batch % world.size:
+        raise SystemExit(f"--batch {args.batch} must be divisible by the {world.size} ranks")
+    rows = args.batch // world.size
+    corpus = synthetic_corpus(args.vocab, docs=16, length=args.window * args.factor)
+    total = args.warmup + args.steps
+    config = TrainConfig(steps=total, lr=1e-5, warmup=1, progress=False)
+
+    def variant(w):
+        model = build_model(model_config(args.vocab, hidden_size=args.hidden, num_layers=args.layers,
+                                         num_heads=args.heads, max_position_embeddings=args.window), seed=0)
+        extend(model, "linear", args.window, args.window * args.factor)
+        model.unfreeze()
+        update = make_update(model, make_optimizer(config), config, use_positions, w)
+        batches = iter(ExampleStream(corpus, args.window, args.window * args.factor, batch_size=rows, seed=0,
+                                     rank=world.rank, world=world.size))
+        return model, lambda: update(batches)
+
+    variants = {"group": variant(world)}
+    if world.size > 1:
+        variants["local"] = variant(SINGLE)
+    wall = {name: [] for name in variants}
+    cpu = {name: [] for name in variants}
+    losses = []
+    for i in range(total):
+        for name, (_, step) in variants.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            loss, _norm, tokens, _stop = step()
+            if i >= args.warmup:
+                wall[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
+            if name == "group":
+                losses.append(loss)
+
+    model = variants["group"][0]
+    grads = tree_map(lambda p: mx.random.normal(p.shape, key=mx.random.key(world.rank)).astype(p.dtype),
+                     model.trainable_parameters())
+    leaves = [g for _, g in tree_flatten(grads)]
+    mx.eval(leaves)
+    collective = {}
+    if world.size > 1:
+        def flat():
+            mx.eval(mx.distributed.all_sum(mx.concatenate([g.reshape(-1) for g in leaves]), group=world.group))
+
+        def per_parameter():
+            mx.eval([mx.distributed.all_sum(g, group=world.group) for g in leaves])
+
+        for name, fn in (("flat", flat), ("per_parameter", per_parameter)):
+            fn()
+            times = []
+            for _ in range(args.collective_reps):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            collective[name] = _median(times)
+    print(RESULT + json.dumps({
+        "rank": world.rank, "ranks": world.size, "rows": rows, "tokens": tokens,
+        "wall": wall, "cpu": cpu, "losses": losses, "collective_s": collective,
+        "parameters": sum(g.size for g in leaves), "bytes": sum(g.nbytes for g in leaves),
+        "blas": blas_status.get("library"), "threads": os.environ.get("OPENBLAS_NUM_THREADS"),
+    }), flush=True)
+
+
+# ------------------------------------------------------------------------------------------------ parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(ranks: int, args, worker_args: list[str]) -> list[dict]:
+    path = os.pathsep.join(p for p in (str(HERE.parent), os.environ.get("PYTHONPATH")) if p)  # this checkout
+    env = dict(os.environ, OPENBLAS_NUM_THREADS=str(args.threads), PYTHONPATH=path)
+    me = [sys.executable, str(Path(__file__).resolve()), "--worker", *worker_args]
+    if ranks == 1:
+        command = me
+    else:
+        launch = shutil.which("mlx.launch", path=os.path.dirname(sys.executable)) or shutil.which("mlx.launch")
+        if launch is None:
+            raise SystemExit("mlx.launch is not installed")
+        # two consecutive free ports are likely when the first is: the ring backend listens on port, port + 1
+        command = [launch, "-n", str(ranks), "--backend", "ring", "-p", str(_free_port()), "--", *me]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
+    results = [json.loads(line[len(RESULT):]) for line in proc.stdout.splitlines() if line.startswith(RESULT)]
+    if proc.returncode != 0 or len(results) != ranks:
+        raise SystemExit(f"{ranks}-rank worker failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                         f"{proc.stderr[-3000:]}")
+    return sorted(results, key=lambda r: r["rank"])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vocab", type=int, default=512, help="vocabulary size (default 512)")
+    parser.add_argument("--hidden", type=int, default=256, help="model width (default 256)")
+    parser.add_argument("--layers", type=int, default=4, help="transformer layers (default 4)")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    parser.add_argument("--window", type=int, default=256, help="training window (tokens; default 256)")
+    parser.add_argument("--factor", type=int, default=4, help="target / window for PoSE (default 4)")
+    parser.add_argument("--batch", type=int, default=4, help="global batch: rows per update over all ranks "
+                                                              "(default 4)")
+    parser.add_argument("--steps", type=int, default=8, help="timed updates per worker (default 8)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed updates first (compilation; default 2)")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of (1 rank, 2 ranks) (default 3)")
+    parser.add_argument("--threads", type=int, default=1, help="OPENBLAS_NUM_THREADS of every worker (default 1)")
+    parser.add_argument("--shared-session", action="store_true",
+                        help="leave every rank in this script's session: where the kernel shares the CPU between "
+                             "sessions (autogroups), the ranks then share one session's share (default: each worker "
+                             "process starts its own session)")
+    parser.add_argument("--collective-reps", type=int, default=10,
+                        help="timed all-reduces of a gradient-sized tree per variant (default 10)")
+    parser.add_argument("--loss-tol", type=float, default=1e-4,
+                        help="largest allowed |loss 2 ranks - loss 1 rank| per update (default 1e-4)")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed per worker run")
+    parser.add_argument("--changes", action="append", default=[],
+                        help="what changed in the code for this run, recorded in the JSON (repeatable)")
+    parser.add_argument("--out", default=str(RESULTS_DIR / "distributed.json"), help="JSON path")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    if min(args.steps, args.repeats, args.threads, args.batch) < 1 or args.batch % 2:
+        parser.error("--steps, --repeats, --threads must be >= 1 and --batch even")
+
+    worker_args = [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}") for k, v in vars(args).items()
+                   if k in ("vocab", "hidden", "layers", "heads", "window", "factor", "batch", "steps", "warmup",
+                            "collective_reps", "shared_session") and v is not False]
+    runs = {1: [], 2: []}
+    for r in range(args.repeats):
+        for ranks in (1, 2):
+            results = _run(ranks, args, worker_args)
+            runs[ranks].append(results)
+            group = _median([_median(x["wall"]["group"]) for x in results])
+            local = _median([_median(x["wall"]["local"]) for x in results]) if ranks > 1 else None
+            print(f"round {r + 1}/{args.repeats}, {ranks} rank(s): update {group:.4f} s"
+                  + (f", local share {local:.4f} s, all-reduce {results[0]['collective_s']['flat']:.4f} s "
+                     f"(per parameter {results[0]['collective_s']['per_parameter']:.4f} s)" if local else ""),
+                  flush=True)
+
+    diffs = [abs(a - b) for one, two in zip(runs[1], runs[2]) for a, b in zip(one[0]["losses"], two[0]["losses"])]
+    if max(diffs) > args.loss_tol:
+        sys.exit(f"2 ranks and 1 rank disagree: max |loss difference| {max(diffs):.2e} > {args.loss_tol}; "
+                 "nothing written")
+
+    def per_round(ranks, key, variant, what=_median):
+        """For each round: the mean over ranks of that rank's median per-update `key` time of `variant`."""
+        return [statistics.fmean(what(x[key][variant]) for x in results) for results in runs[ranks]]
+
+    one = per_round(1, "wall", "group")
+    two = per_round(2, "wall", "group")
+    local = per_round(2, "wall", "local")
+    overhead = [g - l for g, l in zip(two, local)]
+    flat = [statistics.fmean(x["collective_s"]["flat"] for x in results) for results in runs[2]]
+    per_parameter = [statistics.fmean(x["collective_s"]["per_parameter"] for x in results) for results in runs[2]]
+    tokens = runs[1][0][0]["tokens"]
+    results = {
+        "one_rank_update_s": _median(one),
+        "two_ranks_update_s": _median(two),
+        "speedup_two_ranks": _median([o / t for o, t in zip(one, two)]),
+        "two_ranks_local_share_s": _median(local),
+        "overhead_s": _median(overhead),
+        "overhead_share": _median([o / t for o, t in zip(overhead, two)]),
+        "allreduce_flat_s": _median(flat),
+        "allreduce_per_parameter_s": _median(per_parameter),
+        "allreduce_share": _median([f / t for f, t in zip(flat, two)]),
+        "target_overhead_share": 0.10,
+        "tokens_per_update": tokens,
+        "tokens_per_s": {"one_rank": tokens / _median(one), "two_ranks": tokens / _median(two)},
+        "cpu_s_per_update": {"one_rank": _median(per_round(1, "cpu", "group")),
+                             "two_ranks_per_rank": _median(per_round(2, "cpu", "group")),
+                             "two_ranks_local_share_per_rank": _median(per_round(2, "cpu", "local"))},
+        "per_round": {"one_rank_update_s": one, "two_ranks_update_s": two, "two_ranks_local_share_s": local,
+                      "allreduce_flat_s": flat, "allreduce_per_parameter_s": per_parameter},
+        "max_abs_loss_diff": max(diffs),
+        "parameters": runs[1][0][0]["parameters"],
+        "gradient_bytes": runs[1][0][0]["bytes"],
+        "blas": runs[1][0][0]["blas"],
+        "threads_per_process": args.threads,
+        "method": ("every worker OPENBLAS_NUM_THREADS=threads; 1 rank: global batch in one process; 2 ranks: "
+                   "mlx.launch -n 2 --backend ring, batch/2 rows each; overhead = group update - local update of "
+                   "the same rows on a second model copy in the same worker (interleaved); medians per worker, "
+                   "mean over ranks, median over rounds"),
+        "changes": args.changes,
+        "config": {k: v for k, v in vars(args).items() if k not in ("out", "changes", "worker", "timeout")},
+    }
+    path = write_results("distributed", results, args.out)
+    print(f"\n1 rank {results['one_rank_update_s']:.4f} s/update, 2 ranks {results['two_ranks_update_s']:.4f} s "
+          f"(speed-up {results['speedup_two_ranks']:.2f}x); local share {results['two_ranks_local_share_s']:.4f} s, "
+          f"overhead {results['overhead_s']:.4f} s = {results['overhead_share']:.1%} of the 2-rank update "
+          f"(target <= 10%); all-reduce alone {results['allreduce_flat_s']:.4f} s flat vs "
+          f"{results['allreduce_per_parameter_s']:.4f} s per parameter")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
