@@ -108,6 +108,7 @@ def test_cli_end_to_end(tiny, tmp_path, capsys):
 
 def test_cli_default_lengths_and_bad_inputs(tiny, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the default --output is written in the current folder
+    monkeypatch.setattr("pose_mlx.memory.available_memory", lambda: (2**30, "a 1 GiB test machine"))
     folder = tiny[0]
     assert passkey.main(["--model", str(folder), "--trials", "1", "--no-progress"]) == 0
     out = capsys.readouterr().out
@@ -116,7 +117,7 @@ def test_cli_default_lengths_and_bad_inputs(tiny, tmp_path, capsys, monkeypatch)
     assert passkey.main(["--model", str(small), "--no-progress"]) == 2
     assert "shorter than the passkey template" in capsys.readouterr().err
     for argv, fragment in [(["--lengths", "1k;2k"], "--lengths"), (["--lengths", "16"], "template"),
-                           (["--lengths", "16000k"], "GiB"), (["--lengths", "100000k"], "outside")]:
+                           (["--lengths", "16000k"], "than the 1 GiB"), (["--lengths", "100000k"], "outside")]:
         assert passkey.main(["--model", str(folder), "--no-progress"] + argv) != 0
         err = capsys.readouterr().err.strip()
         assert "Traceback" not in err and len(err.splitlines()) == 1 and fragment in err, err

@@ -113,12 +113,13 @@ def _fails(capsys, argv, fragment):
     assert fragment in err, err
 
 
-def test_cli_bad_inputs(folder, tmp_path, capsys):
+def test_cli_bad_inputs(folder, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("pose_mlx.memory.available_memory", lambda: (2**30, "a 1 GiB test machine"))
     data = _corpus(tmp_path, n_docs=1, sentences=5)
     base = ["--model", str(folder), "--data", str(data), "--no-progress"]
     _fails(capsys, base + ["--lengths", "4k"], "the longest has")
     _fails(capsys, base + ["--lengths", "2y"], "--lengths")
-    _fails(capsys, base + ["--lengths", "16000k"], "GiB")
+    _fails(capsys, base + ["--lengths", "16000k"], "than the 1 GiB")
     _fails(capsys, base + ["--lengths", "100000k"], "outside")
     _fails(capsys, base + ["--chunk", "0"], "--chunk")
     _fails(capsys, base + ["--min-doc-tokens", "-5"], "--min-doc-tokens")
