@@ -5,6 +5,7 @@ give the per-step losses of 1 process with batch 2b over the same examples (<= 1
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -199,7 +200,8 @@ def _run_ranks(script, *args, ranks=2):
         command = [LAUNCH, "-n", str(ranks), "--backend", "ring", "--", *command]
     proc = _start(command)
     stdout, stderr = proc.communicate(timeout=180)
-    lines = sorted(line for line in stdout.splitlines() if line.startswith("rank "))
+    # the launcher relays both ranks into one pipe: a line of one rank may arrive glued to the other's
+    lines = sorted(part.splitlines()[0] for part in re.split(r"(?=rank \d+ )", stdout) if part.startswith("rank "))
     assert len(lines) == ranks, stdout + stderr
     return lines
 
