@@ -28,7 +28,7 @@ def model_config(args) -> dict:
     return dict(model_type="llama", hidden_size=args.hidden, num_hidden_layers=args.layers,
                   intermediate_size=args.hidden * 8 // 3, num_attention_heads=args.heads,
                   num_key_value_heads=args.kv_heads, rms_norm_eps=1e-5, vocab_size=args.vocab, rope_theta=10000.0,
-                  tie_word_embeddings=True, max_position_embeddings=args.original)
+                  tie_word_embeddings=True, max_position_embeddings=args.original, torch_dtype="float32")
 
 
 def build(args) -> llama.Model:

@@ -14,11 +14,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -117,16 +118,33 @@ def _eval_cache(cache: list) -> None:
     mx.eval([c.state for c in cache])
 
 
+@contextlib.contextmanager
+def reserved(cache: list, length: int) -> Iterator[None]:
+    """While the block runs, an empty growable KV cache (mlx-lm's `KVCache`, which grows by `step` positions
+    with a copy of what it holds) allocates room for `length` tokens at once: a prefill then allocates each
+    layer's cache once instead of copying it at every growth. `step` is restored on exit."""
+    grown = [(c, c.step) for c in cache if isinstance(getattr(c, "step", None), int) and getattr(c, "keys", 0) is None]
+    for c, step in grown:
+        c.step = max(step, -(-length // step) * step)
+    try:
+        yield
+    finally:
+        for c, step in grown:
+            c.step = step
+
+
 def prefill(
     model: nn.Module,
     tokens,
     cache: list,
     chunk: int = DEFAULT_CHUNK,
     on_chunk: Callable[[int, mx.array], None] | None = None,
+    room: int = 0,
 ) -> mx.array:
     """Feed `tokens` (1-D) into `cache` C tokens at a time; returns the logits of the last token (vocab,).
 
     `on_chunk(start, logits)` receives each chunk's logits (C, vocab), float32, positions start..start+C-1.
+    An empty cache is allocated once for the prompt and `room` more tokens (what a generation will add).
     """
     if chunk < 1:
         raise ValueError(f"chunk={chunk} must be >= 1")
@@ -134,16 +152,17 @@ def prefill(
     if ids.ndim != 1 or ids.size == 0:
         raise ValueError(f"tokens must be a non-empty 1-D sequence, got shape {tuple(ids.shape)}")
     last = None
-    with use_length(model, _cache_offset(cache) + ids.size):
+    total = _cache_offset(cache) + ids.size
+    with use_length(model, total), reserved(cache, total + room):
         for start in range(0, ids.size, chunk):
             logits = eval_logits(model, ids[None, start : start + chunk], cache, on_chunk is None)[0]
             logits = logits.astype(mx.float32)
             if on_chunk is not None:
                 on_chunk(start, logits)
-            last = logits[-1]
-            mx.eval(last)
+            last = np.array(logits[-1])  # a copy: a view would keep the chunk's logits alive
+            del logits  # freed before the next chunk runs
             _eval_cache(cache)
-    return last
+    return mx.array(last)
 
 
 def _cache_offset(cache: list) -> int:

@@ -97,7 +97,7 @@ class PrefixCachedGenerator:
             trim_prompt_cache(self.cache, len(self.cached) - keep)
         else:
             self.cache = make_prompt_cache(self.model)
-        logits = longctx.prefill(self.model, prompt[keep:], self.cache, self.chunk)
+        logits = longctx.prefill(self.model, prompt[keep:], self.cache, self.chunk, room=max_new)
         self.computed += len(prompt) - keep
         self.cached = list(prompt)
         out: list[int] = []
@@ -237,7 +237,8 @@ def main(argv=None) -> int:
             raise UserError(f"--lengths: the model's window {info.maximum} is shorter than the passkey "
                             f"template ({template} tokens); pass --lengths {2 ** (template - 1).bit_length()} "
                             "(or longer) to test beyond the window")
-    estimate = longctx.check_memory(info, lengths, args.chunk, args.force, all_logits=False)
+    estimate = longctx.check_memory(info, [max(lengths) + MAX_NEW_TOKENS], args.chunk, args.force,
+                                    all_logits=False)  # the prompt and the answer in the cache
     build_prompt(info.tokenizer, longctx.bos_id(info.tokenizer), min(lengths), 0.5, 99_999)  # template fits?
     print(f"model {info.path}: schedule {info.schedule}; original window {info.original}, "
           f"max {info.maximum}; memory estimate {estimate}", file=sys.stderr)

@@ -55,6 +55,28 @@ def test_chunked_nll_is_log_softmax_of_the_full_forward():
     np.testing.assert_allclose(got, expected, atol=1e-4)
 
 
+def test_prefill_allocates_an_empty_cache_once_and_restores_its_step():
+    """Into an empty cache the prefill reserves the whole prompt at the first chunk (no copy per 256-token
+    growth), then gives mlx-lm's step back so generation grows the cache as usual; a filled cache is left
+    to grow by steps."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = build_model("llama")
+    tokens = np.random.default_rng(3).integers(0, 97, size=600).astype(np.int32)
+    cache = make_prompt_cache(model)
+    step = cache[0].step
+    longctx.prefill(model, tokens, cache, chunk=64)
+    assert all(c.keys.shape[2] == 768 and c.offset == 600 and c.step == step for c in cache)  # 600 -> 3 x 256
+    # mlx-lm grows a cache from its offset by whole steps: 600 + 256 for 200 more tokens, 800 + 2 x 256 for 300
+    model(mx.array([[5] * 200]), cache=cache)
+    assert all(c.keys.shape[2] == 856 for c in cache)
+    longctx.prefill(model, tokens[:300], cache, chunk=64)  # not empty: grows by steps as before
+    assert all(c.keys.shape[2] == 1312 and c.step == step for c in cache)
+    cache = make_prompt_cache(model)  # room for an answer: 600 + 200 -> 4 x 256, not grown by the answer
+    longctx.prefill(model, tokens, cache, chunk=64, room=200)
+    model(mx.array([[5] * 200]), cache=cache)
+    assert all(c.keys.shape[2] == 1024 and c.offset == 800 for c in cache)
+
 def test_check_memory_refuses_or_warns_above_what_the_machine_offers(tmp_path, monkeypatch, capsys):
     """The planner's evaluation prediction against the available memory: refused in one line, or a warning with
     --force."""
