@@ -12,7 +12,9 @@ Every worker gets OPENBLAS_NUM_THREADS=`--threads` (default 1): the 2 ranks shar
 rank computes with one thread, and the 1-rank run too, which makes 1 rank vs 2 ranks a question of scaling over
 processes, not of BLAS threads. Inside each 2-rank worker, two updates alternate on two model copies with the same
 seeds: the group update (gradients all-reduced over the ranks) and a local update of the same rank's rows with
-nothing communicated (`World` of one rank). Their difference is the communication overhead of an update:
+nothing communicated (`World` of one rank). The ranks meet at a barrier (untimed) before every update, so a group
+update does not also time the wait for the other rank's local update (which is not synchronized). The difference
+of the two is the communication overhead of an update:
 
     overhead = t_group - t_local,   overhead share = overhead / t_group.
 
@@ -97,6 +99,7 @@ def worker(args) -> None:
     losses = []
     for i in range(total):
         for name, (_, step) in variants.items():
+            world.barrier()  # untimed: a group update must not time the peer's unsynchronized local update
             t0, c0 = time.perf_counter(), time.process_time()
             loss, _norm, tokens, _stop = step()
             if i >= args.warmup:
