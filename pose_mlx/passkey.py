@@ -56,12 +56,23 @@ def build_prompt(tokenizer, bos: int, length: int, depth: float, key: int) -> li
     if empty > length:
         raise UserError(f"--lengths: {length} tokens is shorter than the passkey template alone ({empty} tokens)")
     per_sentence = max((count(50) - empty) / 50, 1e-3)
-    n = max(0, int((length - empty) / per_sentence))
-    while n > 0 and count(n) > length:
-        n -= 1
-    while count(n + 1) <= length:
-        n += 1
-    return prompt_tokens(tokenizer, bos, n, depth, key)
+    guess = max(0, int((length - empty) / per_sentence))
+    # the largest n with count(n) <= length (count grows with n): gallop from the guess, then bisect, so a
+    # long prompt is encoded O(log n) times, not once per sentence of the guess's error
+    fits = lambda n: count(n) <= length  # noqa: E731
+    step = max(1, guess // 100)
+    if fits(guess):
+        lo, hi = guess, guess + step
+        while fits(hi):
+            lo, hi, step = hi, hi + 2 * step, 2 * step
+    else:
+        lo, hi = max(0, guess - step), guess
+        while lo > 0 and not fits(lo):
+            lo, hi, step = max(0, lo - 2 * step), lo, 2 * step
+    while hi - lo > 1:  # fits(lo), not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return prompt_tokens(tokenizer, bos, lo, depth, key)
 
 
 def parse_answer(text: str) -> int | None:

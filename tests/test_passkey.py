@@ -45,6 +45,22 @@ def test_prompt_hits_its_target_length_within_one_sentence(tiny, length, depth):
     assert abs(n_before - depth * (n_before + n_after)) <= 0.5 + 1e-9
 
 
+@pytest.mark.parametrize("length", [70, 131, 1000, 20_000])
+def test_prompt_has_the_most_sentences_that_fit(tiny, length, monkeypatch):
+    """n filler sentences fit and n + 1 do not; found in O(log n) encodings of the prompt (a prompt of
+    millions of tokens is encoded a few dozen times, not once per sentence between a guess and the answer)."""
+    tok = tiny[1].tokenizer
+    calls = []
+    original = passkey.prompt_tokens
+    monkeypatch.setattr(passkey, "prompt_tokens", lambda *a: calls.append(a) or original(*a))
+    prompt = passkey.build_prompt(tok, 0, length, 0.5, 777)
+    text = tok.decode(prompt[1:])
+    n = sum(text.count(s) for s in passkey.FILLER)
+    assert prompt == original(tok, 0, n, 0.5, 777) and len(prompt) <= length
+    assert len(original(tok, 0, n + 1, 0.5, 777)) > length
+    assert len(calls) <= 4 + 2 * max(1, n).bit_length()
+
+
 def test_too_short_length_is_an_error(tiny):
     with pytest.raises(UserError, match="shorter than the passkey template"):
         passkey.build_prompt(tiny[1].tokenizer, 0, 20, 0.5, 12345)
