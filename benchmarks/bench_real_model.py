@@ -245,7 +245,7 @@ def main(argv=None) -> int:
     p.add_argument("--stage", choices=("finetune", "eval", "ruler", "report", "all"), default="all",
                    help="what to run (default all, in order)")
     p.add_argument("--window", type=int, default=1024, help="PoSE training window (default 1024)")
-    p.add_argument("--steps", type=int, default=300, help="PoSE fine-tuning updates (default 300)")
+    p.add_argument("--steps", type=int, default=200, help="PoSE fine-tuning updates (default 200, as pose-yarn ran)")
     p.add_argument("--lr", type=float, default=1e-4, help="LoRA learning rate (default 1e-4)")
     p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank (default 16)")
     p.add_argument("--test-docs", type=int, default=4, help="held-out documents (the longest; default 4)")
