@@ -151,9 +151,12 @@ def trial_plan(lengths: list[int], trials: int, depths: int | None, seed: int) -
 
 
 def run_passkey(model, tokenizer, lengths: list[int], trials: int, depths: int | None = None, seed: int = 0,
-                chunk: int = longctx.DEFAULT_CHUNK, show_progress: bool = True,
-                reuse: bool = True) -> tuple[list[Trial], PrefixCachedGenerator]:
-    """Run every trial; within a length, trials go deepest needle first so prompts share long prefixes."""
+                chunk: int = longctx.DEFAULT_CHUNK, show_progress: bool = True, reuse: bool = True,
+                done: list[Trial] = (), on_trial=None) -> tuple[list[Trial], PrefixCachedGenerator]:
+    """Run every trial; within a length, trials go deepest needle first so prompts share long prefixes.
+
+    Trials in `done` (from an interrupted run of the same plan) are not run again; `on_trial(trial)` is called
+    after each one that is."""
     from tqdm import tqdm
 
     bos = longctx.bos_id(tokenizer)
@@ -162,12 +165,58 @@ def run_passkey(model, tokenizer, lengths: list[int], trials: int, depths: int |
         stop.add(int(tokenizer.eos_token_id))
     plan = sorted(trial_plan(lengths, trials, depths, seed), key=lambda t: (t[0], -t[1]))
     generator = PrefixCachedGenerator(model, chunk, reuse)
+    finished = {(t.length, t.depth, t.key): t for t in done}
     results = []
     for length, depth, key in tqdm(plan, desc="passkey", unit="trial", disable=not show_progress, file=sys.stderr):
+        if (length, depth, key) in finished:
+            results.append(finished[(length, depth, key)])
+            continue
         prompt = build_prompt(tokenizer, bos, length, depth, key)
         answer = tokenizer.decode(generator.generate(prompt, MAX_NEW_TOKENS, stop))
         results.append(Trial(length, len(prompt), depth, key, answer, parse_answer(answer) == key))
+        if on_trial is not None:
+            on_trial(results[-1])
     return results, generator
+
+
+class TrialLog:
+    """`<output>.trials.jsonl`: the trials of a run so far, one JSON line each after a header line naming the
+    run (model, schedule, lengths, trials, depths, seed). A run with the same header takes them up instead of
+    running them again; the file is removed when the run's output is written."""
+
+    def __init__(self, output: Path, header: dict):
+        self.path = output.with_name(output.name + ".trials.jsonl")
+        self.header = header
+
+    def load(self) -> list[Trial]:
+        """The trials of an interrupted run of the same header ([] when none; a torn last line is ignored)."""
+        if not self.path.is_file():
+            return []
+        lines = self.path.read_text().splitlines()
+        try:
+            if not lines or json.loads(lines[0]) != self.header:
+                return []
+        except json.JSONDecodeError:
+            return []
+        trials = []
+        for line in lines[1:]:
+            try:
+                trials.append(Trial(**json.loads(line)))
+            except (json.JSONDecodeError, TypeError):
+                break
+        return trials
+
+    def start(self, trials: list[Trial]) -> None:
+        """Rewrite the file with the header and `trials` (the ones taken up)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text("".join(json.dumps(x) + "\n" for x in [self.header, *map(asdict, trials)]))
+
+    def append(self, trial: Trial) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(asdict(trial)) + "\n")
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
 
 
 def accuracy_by_length(trials: list[Trial]) -> list[dict]:
@@ -253,15 +302,27 @@ def main(argv=None) -> int:
     build_prompt(info.tokenizer, longctx.bos_id(info.tokenizer), min(lengths), 0.5, 99_999)  # template fits?
     print(f"model {info.path}: schedule {info.schedule}; original window {info.original}, "
           f"max {info.maximum}; memory estimate {estimate}", file=sys.stderr)
-    trials, generator = run_passkey(info.model, info.tokenizer, lengths, args.trials, args.depths, args.seed,
-                                    args.chunk, not args.no_progress)
+    out = longctx.default_output("passkey", info, args.output)
+    log = TrialLog(out, {"model": str(info.path), "schedule": info.schedule, "lengths": lengths,
+                         "trials": args.trials, "depths": args.depths, "seed": args.seed})
+    done = log.load()
+    if done:
+        print(f"taking up {len(done)} of {args.trials * len(lengths)} trials from {log.path} (an interrupted run)",
+              file=sys.stderr)
+    log.start(done)
+    try:
+        trials, generator = run_passkey(info.model, info.tokenizer, lengths, args.trials, args.depths, args.seed,
+                                        args.chunk, not args.no_progress, done=done, on_trial=log.append)
+    except KeyboardInterrupt:
+        print(f"passkey: {len(log.load())} finished trials are kept in {log.path}: the same command takes them up",
+              file=sys.stderr)
+        raise
     accuracy = accuracy_by_length(trials)
     total = sum(t.prompt_tokens for t in trials)
     print(f"passkey retrieval, {args.trials} trials per length, greedy answer of <= {MAX_NEW_TOKENS} tokens, "
           f"correct = first integer equals the key ({generator.computed}/{total} prompt tokens computed, "
           "the rest reused from the KV cache)")
     print(format_table(accuracy))
-    out = longctx.default_output("passkey", info, args.output)
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         grid, labels, grid_lengths = depth_grid(trials)
@@ -270,6 +331,7 @@ def main(argv=None) -> int:
                                                            "accuracy": np.where(np.isnan(grid), None, grid).tolist()},
                   "trials": [asdict(t) for t in trials]}
         out.write_text(json.dumps(record, indent=2) + "\n")
+        log.remove()
         from .plots import heatmap, line_vs_length
 
         name = info.name

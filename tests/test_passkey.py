@@ -7,7 +7,7 @@ import pytest
 
 from pose_mlx import longctx
 from pose_mlx import passkey
-from pose_mlx.errors import UserError
+from pose_mlx.errors import EXIT_INTERRUPTED, UserError
 
 import mlx.core as mx
 
@@ -120,6 +120,36 @@ def test_cli_end_to_end(tiny, tmp_path, capsys):
         assert acc["accuracy"] == pytest.approx(np.mean(hits))
     assert (tmp_path / "pk_accuracy.png").stat().st_size > 1000
     assert (tmp_path / "pk_heatmap.png").stat().st_size > 1000
+
+
+def test_interrupted_run_takes_up_its_finished_trials(tiny, tmp_path, capsys, monkeypatch):
+    """Killed after 2 of 6 trials, the same command runs only the other 4 and writes what an uninterrupted run
+    writes; a run with other settings starts over."""
+    flags = ["--model", str(tiny[0]), "--lengths", "100,200", "--trials", "3", "--depths", "3", "--no-progress"]
+    assert passkey.main([*flags, "--output", str(tmp_path / "whole.json")]) == 0
+    out = tmp_path / "pk.json"
+    appended, original = [], passkey.TrialLog.append
+
+    def killed_after_two(self, trial):
+        original(self, trial)
+        appended.append(trial)
+        if len(appended) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(passkey.TrialLog, "append", killed_after_two)
+    assert passkey.main([*flags, "--output", str(out)]) == EXIT_INTERRUPTED
+    assert "2 finished trials are kept" in capsys.readouterr().err
+    assert not out.exists() and len((tmp_path / "pk.json.trials.jsonl").read_text().splitlines()) == 3
+    appended.clear()
+    monkeypatch.setattr(passkey.TrialLog, "append", lambda self, t: (original(self, t), appended.append(t)))
+    capsys.readouterr()
+    assert passkey.main([*flags, "--output", str(out)]) == 0
+    assert "taking up 2 of 6 trials" in capsys.readouterr().err and len(appended) == 4
+    assert json.loads(out.read_text())["trials"] == json.loads((tmp_path / "whole.json").read_text())["trials"]
+    assert not (tmp_path / "pk.json.trials.jsonl").exists()
+    (tmp_path / "pk.json.trials.jsonl").write_text(json.dumps({"model": "another"}) + "\n")
+    appended.clear()
+    assert passkey.main([*flags, "--output", str(out)]) == 0 and len(appended) == 6  # another run's file: ignored
 
 
 def test_cli_default_lengths_and_bad_inputs(tiny, tmp_path, capsys, monkeypatch):
