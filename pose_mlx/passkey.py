@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from . import haystack, longctx
+from .resumable import RecordLog
 from .errors import UserError, command
 
 import mlx.core as mx
@@ -179,46 +180,6 @@ def run_passkey(model, tokenizer, lengths: list[int], trials: int, depths: int |
     return results, generator
 
 
-class TrialLog:
-    """`<output>.trials.jsonl`: the trials of a run so far, one JSON line each after a header line naming the
-    run (model, schedule, lengths, trials, depths, seed). A run with the same header takes them up instead of
-    running them again; the file is removed when the run's output is written."""
-
-    def __init__(self, output: Path, header: dict):
-        self.path = output.with_name(output.name + ".trials.jsonl")
-        self.header = header
-
-    def load(self) -> list[Trial]:
-        """The trials of an interrupted run of the same header ([] when none; a torn last line is ignored)."""
-        if not self.path.is_file():
-            return []
-        lines = self.path.read_text().splitlines()
-        try:
-            if not lines or json.loads(lines[0]) != self.header:
-                return []
-        except json.JSONDecodeError:
-            return []
-        trials = []
-        for line in lines[1:]:
-            try:
-                trials.append(Trial(**json.loads(line)))
-            except (json.JSONDecodeError, TypeError):
-                break
-        return trials
-
-    def start(self, trials: list[Trial]) -> None:
-        """Rewrite the file with the header and `trials` (the ones taken up)."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text("".join(json.dumps(x) + "\n" for x in [self.header, *map(asdict, trials)]))
-
-    def append(self, trial: Trial) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(asdict(trial)) + "\n")
-
-    def remove(self) -> None:
-        self.path.unlink(missing_ok=True)
-
-
 def accuracy_by_length(trials: list[Trial]) -> list[dict]:
     lengths = sorted({t.length for t in trials})
     out = []
@@ -303,8 +264,8 @@ def main(argv=None) -> int:
     print(f"model {info.path}: schedule {info.schedule}; original window {info.original}, "
           f"max {info.maximum}; memory estimate {estimate}", file=sys.stderr)
     out = longctx.default_output("passkey", info, args.output)
-    log = TrialLog(out, {"model": str(info.path), "schedule": info.schedule, "lengths": lengths,
-                         "trials": args.trials, "depths": args.depths, "seed": args.seed})
+    log = RecordLog(out, {"model": str(info.path), "schedule": info.schedule, "lengths": lengths,
+                          "trials": args.trials, "depths": args.depths, "seed": args.seed}, Trial)
     done = log.load()
     if done:
         print(f"taking up {len(done)} of {args.trials * len(lengths)} trials from {log.path} (an interrupted run)",

@@ -35,6 +35,7 @@ import numpy as np
 
 from . import errors, longctx
 from .errors import UserError
+from .resumable import RecordLog
 from .ruler_tasks import DEPTH_MODES, TASKS, PromptBuilder, parse_tasks
 
 DEFAULT_THRESHOLD = 0.856  # Llama-2-7B's RULER average at 4k (Hsieh et al., 2024)
@@ -141,14 +142,17 @@ def stop_tokens(tokenizer) -> set[int]:
 def run_ruler(model, tokenizer, lengths: list[int], tasks: list[str] | str = "all", samples: int = DEFAULT_SAMPLES,
               seed: int = 0, *, chunk: int = longctx.DEFAULT_CHUNK, depth_mode: str = "spread",
               haystack: str | Path | None = None, max_new_tokens: int | None = None, chat: bool | None = None,
-              show_progress: bool = True, reuse: bool = True, builder: PromptBuilder | None = None) -> RulerRun:
+              show_progress: bool = True, reuse: bool = True, builder: PromptBuilder | None = None,
+              done: list[Record] = (), on_record=None) -> RulerRun:
     """Generate, answer and score `samples` prompts of every task at every length (lengths in tokens).
 
     `tasks`: "all", a comma list or a list of names; `depth_mode`: "spread" or "uniform" needle depths;
     `haystack`: a folder of .txt/.md/.rst files for the essay haystack (default: the language reference);
     `max_new_tokens`: one answer budget for all tasks (default: each task's); `chat`: force (True) or refuse
     (False) the tokenizer's chat template (default: use it when there is one); `reuse`: keep the KV cache of
-    the prefix shared with the previous prompt; `builder`: a PromptBuilder made with the same settings.
+    the prefix shared with the previous prompt; `builder`: a PromptBuilder made with the same settings;
+    `done`: records of an interrupted run of the same settings, not run again; `on_record(record)`: called after
+    each sample that is run.
     """
     from tqdm import tqdm
 
@@ -161,8 +165,12 @@ def run_ruler(model, tokenizer, lengths: list[int], tasks: list[str] | str = "al
     stop = stop_tokens(tokenizer)
     run = RulerRun(tasks, lengths)
     plan = evaluation_order(builder, tasks, lengths, samples)
+    finished = {(r.task, r.length, r.index): r for r in done}
     with tqdm(plan, desc="ruler", unit="sample", disable=not show_progress, file=sys.stderr) as bar:
         for task, length, index in bar:
+            if (task, length, index) in finished:
+                run.records.append(finished[(task, length, index)])
+                continue
             bar.set_postfix_str(f"{task} @ {length}", refresh=False)
             start = time.perf_counter()
             sample = builder.sample(task, length, index)
@@ -174,6 +182,8 @@ def run_ruler(model, tokenizer, lengths: list[int], tasks: list[str] | str = "al
             run.records.append(Record(task, length, index, len(sample.tokens), [n.depth for n in sample.needles],
                                       [n.token for n in sample.needles], sample.references, output,
                                       match_all(output, sample.references)))
+            if on_record is not None:
+                on_record(run.records[-1])
     run.computed_tokens = generator.computed
     return run
 
@@ -302,14 +312,30 @@ def main(argv=None) -> int:
     print(f"model {info.path}: schedule {info.schedule}; original window {info.original}, max "
           f"{info.maximum}; {'chat template' if builder.fmt.chat else 'plain prompts'}; memory estimate "
           f"{estimate}", file=sys.stderr)
-    run = run_ruler(info.model, info.tokenizer, lengths, tasks, args.samples, args.seed, chunk=args.chunk,
-                    max_new_tokens=args.max_new_tokens, show_progress=not args.no_progress, builder=builder)
+    out = longctx.default_output("ruler", info, args.output)
+    log = RecordLog(out, {"model": str(info.path), "schedule": info.schedule, "lengths": lengths, "tasks": tasks,
+                          "samples": args.samples, "seed": args.seed, "depths": args.depths,
+                          "haystack": args.haystack, "chat": builder.fmt.chat,
+                          "max_new_tokens": args.max_new_tokens}, Record)
+    done = log.load()
+    if done:
+        print(f"taking up {len(done)} of {args.samples * len(tasks) * len(lengths)} samples from {log.path} "
+              "(an interrupted run)", file=sys.stderr)
+    log.start(done)
+    try:
+        run = run_ruler(info.model, info.tokenizer, lengths, tasks, args.samples, args.seed, chunk=args.chunk,
+                        max_new_tokens=args.max_new_tokens, show_progress=not args.no_progress, builder=builder,
+                        done=done, on_record=log.append)
+    except KeyboardInterrupt:
+        print(f"ruler: {len(log.load())} finished samples are kept in {log.path}: the same command takes them up",
+              file=sys.stderr)
+        raise
     print(f"RULER synthetic tasks, {args.samples} samples per task and length, greedy answers; score = fraction of "
           f"the references found in the output (case-insensitive), mean over samples ({run.computed_tokens}/"
           f"{run.prompt_tokens} prompt tokens computed, the rest reused from the KV cache)")
     print(format_table(run, args.threshold))
-    out = longctx.default_output("ruler", info, args.output)
     png = write_outputs(out, record_json(run, info, args, args.threshold, builder.fmt.chat), run)
+    log.remove()
     print(f"wrote {out} and {png}", file=sys.stderr)
     return 0
 

@@ -8,6 +8,7 @@ import pytest
 from pose_mlx import longctx
 from pose_mlx import passkey
 from pose_mlx.errors import EXIT_INTERRUPTED, UserError
+from pose_mlx.resumable import RecordLog
 
 import mlx.core as mx
 
@@ -128,7 +129,7 @@ def test_interrupted_run_takes_up_its_finished_trials(tiny, tmp_path, capsys, mo
     flags = ["--model", str(tiny[0]), "--lengths", "100,200", "--trials", "3", "--depths", "3", "--no-progress"]
     assert passkey.main([*flags, "--output", str(tmp_path / "whole.json")]) == 0
     out = tmp_path / "pk.json"
-    appended, original = [], passkey.TrialLog.append
+    appended, original = [], RecordLog.append
 
     def killed_after_two(self, trial):
         original(self, trial)
@@ -136,18 +137,18 @@ def test_interrupted_run_takes_up_its_finished_trials(tiny, tmp_path, capsys, mo
         if len(appended) == 2:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(passkey.TrialLog, "append", killed_after_two)
+    monkeypatch.setattr(RecordLog, "append", killed_after_two)
     assert passkey.main([*flags, "--output", str(out)]) == EXIT_INTERRUPTED
     assert "2 finished trials are kept" in capsys.readouterr().err
-    assert not out.exists() and len((tmp_path / "pk.json.trials.jsonl").read_text().splitlines()) == 3
+    assert not out.exists() and len((tmp_path / "pk.json.partial.jsonl").read_text().splitlines()) == 3
     appended.clear()
-    monkeypatch.setattr(passkey.TrialLog, "append", lambda self, t: (original(self, t), appended.append(t)))
+    monkeypatch.setattr(RecordLog, "append", lambda self, t: (original(self, t), appended.append(t)))
     capsys.readouterr()
     assert passkey.main([*flags, "--output", str(out)]) == 0
     assert "taking up 2 of 6 trials" in capsys.readouterr().err and len(appended) == 4
     assert json.loads(out.read_text())["trials"] == json.loads((tmp_path / "whole.json").read_text())["trials"]
-    assert not (tmp_path / "pk.json.trials.jsonl").exists()
-    (tmp_path / "pk.json.trials.jsonl").write_text(json.dumps({"model": "another"}) + "\n")
+    assert not (tmp_path / "pk.json.partial.jsonl").exists()
+    (tmp_path / "pk.json.partial.jsonl").write_text(json.dumps({"model": "another"}) + "\n")
     appended.clear()
     assert passkey.main([*flags, "--output", str(out)]) == 0 and len(appended) == 6  # another run's file: ignored
 

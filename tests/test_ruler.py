@@ -380,7 +380,37 @@ def test_cli_writes_json_heatmap_and_table(tiny, tmp_path, capsys, monkeypatch):
     assert {"task", "length", "prompt_tokens", "depths", "needle_tokens", "references", "output", "score"} <= set(first)
     assert "| niah_single_1 | 0.00 | 0.00 |" in captured.out and "| vt |" in captured.out
     assert "effective length: none" in captured.out
-    assert not list(tmp_path.glob(".*partial*"))
+    assert not list(tmp_path.glob(".*partial*")) and not list(tmp_path.glob("*.partial.jsonl"))
+
+
+def test_interrupted_run_takes_up_its_finished_samples(tiny, tmp_path, capsys, monkeypatch):
+    """Killed after 3 of 8 samples, the same command runs the other 5 and writes what an uninterrupted run
+    writes (every record, in the same order)."""
+    from pose_mlx.errors import EXIT_INTERRUPTED
+    from pose_mlx.resumable import RecordLog
+
+    argv = ["--model", str(tiny[0]), "--lengths", "1500,2k", "--tasks", "niah_single_1,vt", "--samples", "2",
+            "--max-new-tokens", "4", "--no-progress"]
+    assert ruler.main([*argv, "--output", str(tmp_path / "whole.json")]) == 0
+    appended, original = [], RecordLog.append
+
+    def killed_after_three(self, record):
+        original(self, record)
+        appended.append(record)
+        if len(appended) == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(RecordLog, "append", killed_after_three)
+    out = tmp_path / "r.json"
+    assert ruler.main([*argv, "--output", str(out)]) == EXIT_INTERRUPTED
+    assert "3 finished samples are kept" in capsys.readouterr().err and not out.exists()
+    appended.clear()
+    monkeypatch.setattr(RecordLog, "append", lambda self, r: (original(self, r), appended.append(r)))
+    assert ruler.main([*argv, "--output", str(out)]) == 0
+    assert "taking up 3 of 8 samples" in capsys.readouterr().err and len(appended) == 5
+    whole = json.loads((tmp_path / "whole.json").read_text())
+    assert json.loads(out.read_text())["records"] == whole["records"]
+    assert not (tmp_path / "r.json.partial.jsonl").exists()
 
 
 def _fails_cleanly(argv, tmp_path, capsys, monkeypatch, fragment):

@@ -1,0 +1,54 @@
+"""Evaluations that survive an interruption: `<output>.partial.jsonl` holds what a run has finished so far.
+
+The file's first line is a header naming the run (model, schedule, lengths, samples, seed, ...), every other line
+one finished record (a dataclass as JSON). A run started again with the same header takes the records up and
+runs only the rest; a different header, or no file, starts over. The file is removed once the run's output is
+written. Used by `pose_mlx.passkey` (one record per trial) and `pose_mlx.ruler` (one per sample), whose long
+prompts take minutes each on a CPU.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+
+class RecordLog:
+    def __init__(self, output: Path, header: dict, record_type: type):
+        self.path = Path(output).with_name(Path(output).name + ".partial.jsonl")
+        self.header = json.loads(json.dumps(header))  # as it reads back from the file
+        self.record_type = record_type
+
+    def load(self) -> list:
+        """The records of an interrupted run with the same header ([] when none; a torn last line is ignored)."""
+        if not self.path.is_file():
+            return []
+        lines = self.path.read_text().splitlines()
+        try:
+            if not lines or json.loads(lines[0]) != self.header:
+                return []
+        except json.JSONDecodeError:
+            return []
+        records = []
+        for line in lines[1:]:
+            try:
+                records.append(self.record_type(**json.loads(line)))
+            except (json.JSONDecodeError, TypeError):
+                break
+        return records
+
+    def start(self, records: list) -> None:
+        """Write the header and the `records` taken up."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text("".join(json.dumps(x) + "\n" for x in [self.header, *map(asdict, records)]))
+
+    def append(self, record) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(asdict(record)) + "\n")
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+__all__ = ["RecordLog"]
