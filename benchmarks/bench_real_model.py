@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -200,12 +201,24 @@ def plots(results: dict) -> list[Path]:
     return written
 
 
+def wilson(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a binomial proportion hits / n."""
+    p = hits / n
+    centre, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return (centre - half) / (1 + z * z / n), (centre + half) / (1 + z * z / n)
+
+
+def passkey_cell(accuracy: float, trials: int) -> str:
+    low, high = wilson(round(accuracy * trials), trials)
+    return f"{accuracy:.2f} ({trials}; {low:.2f}-{high:.2f})"
+
+
 def report(results: dict) -> Path:
     runs = results["runs"]
     lines = ["# SmolLM2-135M-Instruct, 8k -> 32k: PoSE against training-free scaling", "",
              f"Model: `{results['model']}` (original window {ORIGINAL}, target {TARGET}). Command: "
              "`python benchmarks/bench_real_model.py` (see its docstring).", ""]
-    for key, title, fmt in (("passkey", "Passkey accuracy (trials)", ".2f"), ("ppl", "Perplexity", ".2f")):
+    for key, title, fmt in (("passkey", "Passkey accuracy (trials, 95% interval)", ".2f"), ("ppl", "Perplexity", ".2f")):
         lengths = sorted({int(n) for r in runs.values() for n in r.get(key, {})})
         if not lengths:
             continue
@@ -213,8 +226,9 @@ def report(results: dict) -> Path:
                   "|---|---|" + "---|" * len(lengths)]
         for name, r in runs.items():
             cells = [format(r[key][str(n)], fmt) if str(n) in r.get(key, {}) else "-" for n in lengths]
-            if key == "passkey":  # with the number of trials behind each accuracy
-                cells = [c if c == "-" else f"{c} ({r['passkey_trials'][str(n)]})" for c, n in zip(cells, lengths)]
+            if key == "passkey":  # with the trials behind each accuracy and its 95% Wilson interval
+                cells = [c if c == "-" else passkey_cell(r["passkey"][str(n)], r["passkey_trials"][str(n)])
+                         for c, n in zip(cells, lengths)]
             lines.append(f"| {name} | {'yes' if r.get('trained') else 'no'} | " + " | ".join(cells) + " |")
         lines += ["", f"![{key}]({key}.png)", ""]
     trained = {n: r for n, r in runs.items() if r.get("trained") and "train_seconds" in r}
