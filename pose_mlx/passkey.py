@@ -266,18 +266,9 @@ def main(argv=None) -> int:
     out = longctx.default_output("passkey", info, args.output)
     log = RecordLog(out, {"model": str(info.path), "schedule": info.schedule, "lengths": lengths,
                           "trials": args.trials, "depths": args.depths, "seed": args.seed}, Trial)
-    done = log.load()
-    if done:
-        print(f"taking up {len(done)} of {args.trials * len(lengths)} trials from {log.path} (an interrupted run)",
-              file=sys.stderr)
-    log.start(done)
-    try:
+    with log.resumed("passkey", "trials", args.trials * len(lengths)) as done:
         trials, generator = run_passkey(info.model, info.tokenizer, lengths, args.trials, args.depths, args.seed,
                                         args.chunk, not args.no_progress, done=done, on_trial=log.append)
-    except KeyboardInterrupt:
-        print(f"passkey: {len(log.load())} finished trials are kept in {log.path}: the same command takes them up",
-              file=sys.stderr)
-        raise
     accuracy = accuracy_by_length(trials)
     total = sum(t.prompt_tokens for t in trials)
     print(f"passkey retrieval, {args.trials} trials per length, greedy answer of <= {MAX_NEW_TOKENS} tokens, "

@@ -9,9 +9,12 @@ prompts take minutes each on a CPU.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import Iterator
 
 
 class RecordLog:
@@ -37,6 +40,21 @@ class RecordLog:
             except (json.JSONDecodeError, TypeError):
                 break
         return records
+
+    @contextlib.contextmanager
+    def resumed(self, prog: str, noun: str, total: int) -> Iterator[list]:
+        """Yields the records taken up from an interrupted run (said on stderr) with the file restarted from
+        them; on Ctrl-C, says how many finished `noun` the file keeps before the interrupt goes on."""
+        done = self.load()
+        if done:
+            print(f"taking up {len(done)} of {total} {noun} from {self.path} (an interrupted run)", file=sys.stderr)
+        self.start(done)
+        try:
+            yield done
+        except KeyboardInterrupt:
+            print(f"{prog}: {len(self.load())} finished {noun} are kept in {self.path}: the same command takes "
+                  "them up", file=sys.stderr)
+            raise
 
     def start(self, records: list) -> None:
         """Write the header and the `records` taken up."""

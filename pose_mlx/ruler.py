@@ -317,19 +317,10 @@ def main(argv=None) -> int:
                           "samples": args.samples, "seed": args.seed, "depths": args.depths,
                           "haystack": args.haystack, "chat": builder.fmt.chat,
                           "max_new_tokens": args.max_new_tokens}, Record)
-    done = log.load()
-    if done:
-        print(f"taking up {len(done)} of {args.samples * len(tasks) * len(lengths)} samples from {log.path} "
-              "(an interrupted run)", file=sys.stderr)
-    log.start(done)
-    try:
+    with log.resumed("ruler", "samples", args.samples * len(tasks) * len(lengths)) as done:
         run = run_ruler(info.model, info.tokenizer, lengths, tasks, args.samples, args.seed, chunk=args.chunk,
                         max_new_tokens=args.max_new_tokens, show_progress=not args.no_progress, builder=builder,
                         done=done, on_record=log.append)
-    except KeyboardInterrupt:
-        print(f"ruler: {len(log.load())} finished samples are kept in {log.path}: the same command takes them up",
-              file=sys.stderr)
-        raise
     print(f"RULER synthetic tasks, {args.samples} samples per task and length, greedy answers; score = fraction of "
           f"the references found in the output (case-insensitive), mean over samples ({run.computed_tokens}/"
           f"{run.prompt_tokens} prompt tokens computed, the rest reused from the KV cache)")

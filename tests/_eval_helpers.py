@@ -101,3 +101,20 @@ class RetrievalOracle:
         for j in range(length):
             logits[0, j, self._next(history[: start + j + 1])] = 10.0
         return mx.array(logits)
+
+
+def count_appends(monkeypatch, interrupt_after: int | None = None) -> list:
+    """Records appended to any `pose_mlx.resumable.RecordLog` from now on (the list returned); with
+    `interrupt_after`, a KeyboardInterrupt right after that many were written, as a Ctrl-C would land."""
+    from pose_mlx.resumable import RecordLog
+
+    appended, original = [], RecordLog.append
+
+    def append(self, record):
+        original(self, record)
+        appended.append(record)
+        if len(appended) == interrupt_after:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(RecordLog, "append", append)
+    return appended

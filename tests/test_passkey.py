@@ -8,11 +8,10 @@ import pytest
 from pose_mlx import longctx
 from pose_mlx import passkey
 from pose_mlx.errors import EXIT_INTERRUPTED, UserError
-from pose_mlx.resumable import RecordLog
 
 import mlx.core as mx
 
-from _eval_helpers import make_eval_folder
+from _eval_helpers import count_appends, make_eval_folder
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -129,27 +128,18 @@ def test_interrupted_run_takes_up_its_finished_trials(tiny, tmp_path, capsys, mo
     flags = ["--model", str(tiny[0]), "--lengths", "100,200", "--trials", "3", "--depths", "3", "--no-progress"]
     assert passkey.main([*flags, "--output", str(tmp_path / "whole.json")]) == 0
     out = tmp_path / "pk.json"
-    appended, original = [], RecordLog.append
-
-    def killed_after_two(self, trial):
-        original(self, trial)
-        appended.append(trial)
-        if len(appended) == 2:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(RecordLog, "append", killed_after_two)
+    count_appends(monkeypatch, interrupt_after=2)
     assert passkey.main([*flags, "--output", str(out)]) == EXIT_INTERRUPTED
     assert "2 finished trials are kept" in capsys.readouterr().err
     assert not out.exists() and len((tmp_path / "pk.json.partial.jsonl").read_text().splitlines()) == 3
-    appended.clear()
-    monkeypatch.setattr(RecordLog, "append", lambda self, t: (original(self, t), appended.append(t)))
+    appended = count_appends(monkeypatch)
     capsys.readouterr()
     assert passkey.main([*flags, "--output", str(out)]) == 0
     assert "taking up 2 of 6 trials" in capsys.readouterr().err and len(appended) == 4
     assert json.loads(out.read_text())["trials"] == json.loads((tmp_path / "whole.json").read_text())["trials"]
     assert not (tmp_path / "pk.json.partial.jsonl").exists()
     (tmp_path / "pk.json.partial.jsonl").write_text(json.dumps({"model": "another"}) + "\n")
-    appended.clear()
+    appended = count_appends(monkeypatch)
     assert passkey.main([*flags, "--output", str(out)]) == 0 and len(appended) == 6  # another run's file: ignored
 
 

@@ -14,7 +14,7 @@ from pose_mlx.errors import UserError
 
 import mlx.core as mx
 
-from _eval_helpers import make_eval_folder
+from _eval_helpers import count_appends, make_eval_folder
 
 NIAH = [t for t in rt.TASKS if t.startswith("niah")]
 CHAT_TEMPLATE = ("{% for m in messages %}<s>user: {{ m['content'] }}\n{% endfor %}"
@@ -387,25 +387,15 @@ def test_interrupted_run_takes_up_its_finished_samples(tiny, tmp_path, capsys, m
     """Killed after 3 of 8 samples, the same command runs the other 5 and writes what an uninterrupted run
     writes (every record, in the same order)."""
     from pose_mlx.errors import EXIT_INTERRUPTED
-    from pose_mlx.resumable import RecordLog
 
     argv = ["--model", str(tiny[0]), "--lengths", "1500,2k", "--tasks", "niah_single_1,vt", "--samples", "2",
             "--max-new-tokens", "4", "--no-progress"]
     assert ruler.main([*argv, "--output", str(tmp_path / "whole.json")]) == 0
-    appended, original = [], RecordLog.append
-
-    def killed_after_three(self, record):
-        original(self, record)
-        appended.append(record)
-        if len(appended) == 3:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(RecordLog, "append", killed_after_three)
+    count_appends(monkeypatch, interrupt_after=3)
     out = tmp_path / "r.json"
     assert ruler.main([*argv, "--output", str(out)]) == EXIT_INTERRUPTED
     assert "3 finished samples are kept" in capsys.readouterr().err and not out.exists()
-    appended.clear()
-    monkeypatch.setattr(RecordLog, "append", lambda self, r: (original(self, r), appended.append(r)))
+    appended = count_appends(monkeypatch)
     assert ruler.main([*argv, "--output", str(out)]) == 0
     assert "taking up 3 of 8 samples" in capsys.readouterr().err and len(appended) == 5
     whole = json.loads((tmp_path / "whole.json").read_text())
