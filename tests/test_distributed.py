@@ -128,8 +128,9 @@ def test_group_killed_and_resumed_keeps_the_losses(tiny_model, text_dir, tmp_pat
     killed_at = len(read_log(log))
     assert 5 <= killed_at < 40 and not out.exists(), "the kill did not land mid-run"
     done = _launch(_args(tiny_model, text_dir, out, tmp_path / "cache", 1, *steps, "--resume"))
-    _, stderr = done.communicate(timeout=180)
+    stdout, stderr = done.communicate(timeout=180)
     assert done.returncode == 0, stderr
+    assert (out / "train_log.jsonl").is_file(), (killed_at, stdout[-3000:], stderr[-3000:])
     log = read_log(out / "train_log.jsonl")
     assert [r["step"] for r in log] == list(range(1, 41))
     np.testing.assert_allclose([r["loss"] for r in log],
