@@ -127,8 +127,8 @@ def passkey(name: str, gguf: Path, work: Path, trials: dict) -> dict:
 
 
 def perplexity(name: str, gguf: Path, test: Path, work: Path, args) -> dict:
-    """Sliding-window perplexity (stride half the window) at the --ppl-lengths on the first 16k tokens of
-    --ppl-docs test documents, and one 32k window per document on --ppl-docs-32k documents."""
+    """Sliding-window perplexity (stride half the window) at the --ppl-lengths on the same first 16k tokens
+    (`--truncate`) of --ppl-docs test documents, and one 32k window per document on --ppl-docs-32k documents."""
     out = {}
     plans = [(length, length // 2, args.ppl_docs, max(args.ppl_lengths)) for length in args.ppl_lengths]
     plans.append((TARGET, TARGET, args.ppl_docs_32k, TARGET))
@@ -137,7 +137,8 @@ def perplexity(name: str, gguf: Path, test: Path, work: Path, args) -> dict:
         if not path.is_file():
             run(["pose_mlx.perplexity", *model_args(name, gguf, work), "--data", str(test), "--lengths",
                  str(length), "--stride", str(stride), "--docs", str(docs), "--min-doc-tokens", str(span - 1),
-                 "--output", str(path), "--no-progress"], work / "logs" / f"{name}.ppl.{length}.log")
+                 "--truncate", str(span - 1), "--output", str(path), "--no-progress"],
+                work / "logs" / f"{name}.ppl.{length}.log")
         result = json.loads(path.read_text())["results"][0]
         out[str(length)] = result["ppl"]
     return out

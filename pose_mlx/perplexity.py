@@ -141,9 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--docs", type=int, default=50, help="number of documents to evaluate (default 50)")
     parser.add_argument("--min-doc-tokens", type=int, default=None,
                         help="skip shorter documents (default: the longest length - 1)")
-    parser.add_argument("--no-truncate", action="store_true",
-                        help="score whole documents (default: first longest-length - 1 tokens, so every length "
-                             "scores the same tokens)")
+    parser.add_argument("--truncate", type=int, default=None,
+                        help="score the first TRUNCATE tokens of each document (at least the longest length - 1; "
+                             "default: the longest length - 1, so every length scores the same tokens; give the "
+                             "same value to separate runs of different lengths to score the same tokens)")
+    parser.add_argument("--no-truncate", action="store_true", help="score whole documents")
     parser.add_argument("--output", default=None, help="write JSON results here (and a PNG next to it; default "
                                                        "perplexity-<model name>.json)")
     return parser
@@ -157,13 +159,18 @@ def main(argv=None) -> int:
         raise UserError("--stride and --docs must be >= 1")
     if args.min_doc_tokens is not None and args.min_doc_tokens < 1:
         raise UserError(f"--min-doc-tokens must be >= 1, got {args.min_doc_tokens}")
+    if args.truncate is not None and args.no_truncate:
+        raise UserError("--truncate and --no-truncate exclude each other")
     if args.lengths:
         longctx.parse_lengths(args.lengths, 1)  # the grammar, before loading ('x' lengths need the model)
     info = longctx.load_eval_model(args.model, args.schedule, args.target, args.original)
     lengths = longctx.resolve_lengths(args.lengths, info)
     estimate = longctx.check_memory(info, lengths, args.chunk, args.force)
     min_tokens = args.min_doc_tokens if args.min_doc_tokens is not None else max(lengths) - 1
-    truncate = None if args.no_truncate else max(lengths) - 1
+    truncate = None if args.no_truncate else max(lengths) - 1 if args.truncate is None else args.truncate
+    if truncate is not None and truncate < max(lengths) - 1:
+        raise UserError(f"--truncate {truncate} is shorter than a window of {max(lengths)} tokens needs "
+                        f"({max(lengths) - 1} after BOS)")
     docs = load_documents(args.data, info.tokenizer, min_tokens, args.docs, truncate)
     bos = longctx.bos_id(info.tokenizer)
     print(f"model {info.path}: schedule {info.schedule}; original window {info.original}, "

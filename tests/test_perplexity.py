@@ -105,6 +105,23 @@ def test_cli_writes_table_json_and_plot(folder, tmp_path, capsys):
     assert out.with_suffix(".png").stat().st_size > 1000
 
 
+def test_truncate_lets_separate_runs_score_the_tokens_of_a_joint_run(folder, tmp_path, capsys):
+    """A 32-token run with --truncate 63 scores exactly what the joint 32,64 run scores at 32 (its default
+    truncation is 64 - 1), so lengths run one at a time stay comparable."""
+    data = _corpus(tmp_path)
+    common = ["--model", str(folder), "--data", str(data), "--stride", "16", "--docs", "2", "--no-progress"]
+    joint, alone, short = (tmp_path / f"{n}.json" for n in ("joint", "alone", "short"))
+    assert ppl.main(common + ["--lengths", "32,64", "--output", str(joint)]) == 0
+    assert ppl.main(common + ["--lengths", "32", "--truncate", "63", "--output", str(alone)]) == 0
+    assert ppl.main(common + ["--lengths", "32", "--output", str(short)]) == 0
+    capsys.readouterr()
+    [at32, _] = json.loads(joint.read_text())["results"]
+    [one] = json.loads(alone.read_text())["results"]
+    [cut] = json.loads(short.read_text())["results"]
+    assert one["tokens"] == at32["tokens"] == 2 * 63 and one["ppl"] == pytest.approx(at32["ppl"], rel=1e-5)
+    assert cut["tokens"] == 2 * 31  # without it a lone 32 run scores only each document's first 31 tokens
+
+
 def _fails(capsys, argv, fragment):
     rc = ppl.main(argv)
     err = capsys.readouterr().err.strip()
@@ -123,6 +140,8 @@ def test_cli_bad_inputs(folder, tmp_path, capsys, monkeypatch):
     _fails(capsys, base + ["--lengths", "100000k"], "outside")
     _fails(capsys, base + ["--chunk", "0"], "--chunk")
     _fails(capsys, base + ["--min-doc-tokens", "-5"], "--min-doc-tokens")
+    _fails(capsys, base + ["--lengths", "32", "--truncate", "20"], "--truncate 20 is shorter")
+    _fails(capsys, base + ["--truncate", "100", "--no-truncate"], "exclude each other")
     _fails(capsys, ["--model", str(tmp_path / "nowhere"), "--data", str(data)], "no such folder or file")
     bare = make_eval_folder(tmp_path / "bare", tokenizer=False)
     _fails(capsys, ["--model", str(bare), "--data", str(data)], "tokenizer")
