@@ -1,12 +1,18 @@
-"""Data-parallel fine-tuning on one machine: per-update time of 1 rank vs 2 ranks (`mlx.launch --backend ring`)
-at the same global batch, and what the gradient all-reduce costs.
+"""Data-parallel fine-tuning on one machine: per-update time of 1 rank vs 2 ranks (ring backend) at the same global
+batch, and what the gradient all-reduce costs.
 
 Runs, interleaved (1 rank, 2 ranks, 1 rank, ...) for `--repeats` rounds, the product's update
 (`pose_mlx.training.loop.make_update`, compiled, PoSE batches from `pose_mlx.training.data.ExampleStream`) of a
 random-weight llama in worker processes:
 
   1 rank    one process, global batch B, world of one rank (nothing communicated);
-  2 ranks   `mlx.launch -n 2 --backend ring`: each rank B / 2 rows of the same global batches.
+  2 ranks   each rank B / 2 rows of the same global batches, over the ring backend, started two ways:
+            direct      this script starts both ranks with the environment `mlx.launch` gives them (a hostfile
+                        in MLX_HOSTFILE, MLX_RANK), nothing else running;
+            mlx.launch  `mlx.launch -n 2 --backend ring`. Its relay threads poll the ranks' pipes in a loop that
+                        never blocks (the rank's stdin is always writable), about one core of this 2-core machine
+                        while the ranks run: the CPU seconds of the launcher (all CPU seconds of the command
+                        minus the ranks' own) are recorded.
 
 Every worker gets OPENBLAS_NUM_THREADS=`--threads` (default 1): the 2 ranks share this machine's cores, so each
 rank computes with one thread, and the 1-rank run too, which makes 1 rank vs 2 ranks a question of scaling over
@@ -35,11 +41,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -134,6 +142,7 @@ def worker(args) -> None:
         "wall": wall, "cpu": cpu, "losses": losses, "collective_s": collective,
         "parameters": sum(g.size for g in leaves), "bytes": sum(g.nbytes for g in leaves),
         "blas": blas_status.get("library"), "threads": os.environ.get("OPENBLAS_NUM_THREADS"),
+        "process_cpu_s": time.process_time(),
     }), flush=True)
 
 
@@ -146,24 +155,45 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(ranks: int, args, worker_args: list[str]) -> list[dict]:
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _run(ranks: int, how: str, args, worker_args: list[str]) -> tuple[list[dict], float]:
+    """The workers' results (sorted by rank) and the CPU seconds of everything `how` started (ranks included).
+
+    `how`: "single" (one process), "direct" (ranks started here with a ring hostfile) or "mlx.launch"."""
     path = os.pathsep.join(p for p in (str(HERE.parent), os.environ.get("PYTHONPATH")) if p)  # this checkout
     env = dict(os.environ, OPENBLAS_NUM_THREADS=str(args.threads), PYTHONPATH=path)
     me = [sys.executable, str(Path(__file__).resolve()), "--worker", *worker_args]
-    if ranks == 1:
-        command = me
+    cpu = _children_cpu()
+    if how == "direct":
+        with tempfile.TemporaryDirectory() as tmp:
+            hostfile = Path(tmp) / "hosts.json"
+            hostfile.write_text(json.dumps([[f"127.0.0.1:{_free_port()}"] for _ in range(ranks)]))
+            procs = [subprocess.Popen(me, env=dict(env, MLX_HOSTFILE=str(hostfile), MLX_RANK=str(rank)),
+                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True) for rank in range(ranks)]
+            outputs = [p.communicate(timeout=args.timeout) for p in procs]
+        returncode = max(p.returncode for p in procs)
+        stdout, stderr = "".join(o for o, _ in outputs), "".join(e for _, e in outputs)
     else:
-        launch = shutil.which("mlx.launch", path=os.path.dirname(sys.executable)) or shutil.which("mlx.launch")
-        if launch is None:
-            raise SystemExit("mlx.launch is not installed")
-        # two consecutive free ports are likely when the first is: the ring backend listens on port, port + 1
-        command = [launch, "-n", str(ranks), "--backend", "ring", "-p", str(_free_port()), "--", *me]
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
-    results = [json.loads(line[len(RESULT):]) for line in proc.stdout.splitlines() if line.startswith(RESULT)]
-    if proc.returncode != 0 or len(results) != ranks:
-        raise SystemExit(f"{ranks}-rank worker failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                         f"{proc.stderr[-3000:]}")
-    return sorted(results, key=lambda r: r["rank"])
+        command = me
+        if how == "mlx.launch":
+            launch = shutil.which("mlx.launch", path=os.path.dirname(sys.executable)) or shutil.which("mlx.launch")
+            if launch is None:
+                raise SystemExit("mlx.launch is not installed")
+            # two consecutive free ports are likely when the first is: the ring backend listens on port, port + 1
+            command = [launch, "-n", str(ranks), "--backend", "ring", "-p", str(_free_port()), "--", *me]
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
+        returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+    cpu = _children_cpu() - cpu
+    results = [json.loads(line[len(RESULT):]) for line in stdout.splitlines() if line.startswith(RESULT)]
+    if returncode != 0 or len(results) != ranks:
+        raise SystemExit(f"{ranks}-rank worker ({how}) failed (exit {returncode}):\n{stdout[-3000:]}\n"
+                         f"{stderr[-3000:]}")
+    return sorted(results, key=lambda r: r["rank"]), cpu
 
 
 def main():
@@ -202,70 +232,92 @@ def main():
     worker_args = [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}") for k, v in vars(args).items()
                    if k in ("vocab", "hidden", "layers", "heads", "window", "factor", "batch", "steps", "warmup",
                             "collective_reps", "shared_session") and v is not False]
-    runs = {1: [], 2: []}
+    launchers = ("direct", "mlx.launch")
+    runs = {"single": [], **{how: [] for how in launchers}}
+    launcher_cpu = []
     for r in range(args.repeats):
-        for ranks in (1, 2):
-            results = _run(ranks, args, worker_args)
-            runs[ranks].append(results)
+        for how in runs:
+            ranks = 1 if how == "single" else 2
+            results, cpu = _run(ranks, how, args, worker_args)
+            runs[how].append(results)
             group = _median([_median(x["wall"]["group"]) for x in results])
-            local = _median([_median(x["wall"]["local"]) for x in results]) if ranks > 1 else None
-            print(f"round {r + 1}/{args.repeats}, {ranks} rank(s): update {group:.4f} s"
-                  + (f", local share {local:.4f} s, all-reduce {results[0]['collective_s']['flat']:.4f} s "
-                     f"(per parameter {results[0]['collective_s']['per_parameter']:.4f} s)" if local else ""),
-                  flush=True)
+            line = f"round {r + 1}/{args.repeats}, {ranks} rank(s) ({how}): update {group:.4f} s"
+            if ranks > 1:
+                local = _median([_median(x["wall"]["local"]) for x in results])
+                line += (f", local share {local:.4f} s, all-reduce {results[0]['collective_s']['flat']:.4f} s "
+                         f"(per parameter {results[0]['collective_s']['per_parameter']:.4f} s)")
+            if how == "mlx.launch":
+                launcher_cpu.append(cpu - sum(x["process_cpu_s"] for x in results))
+                line += f", launcher {launcher_cpu[-1]:.1f} CPU s"
+            print(line, flush=True)
 
-    diffs = [abs(a - b) for one, two in zip(runs[1], runs[2]) for a, b in zip(one[0]["losses"], two[0]["losses"])]
+    diffs = [abs(a - b) for how in launchers for one, two in zip(runs["single"], runs[how])
+             for a, b in zip(one[0]["losses"], two[0]["losses"])]
     if max(diffs) > args.loss_tol:
         sys.exit(f"2 ranks and 1 rank disagree: max |loss difference| {max(diffs):.2e} > {args.loss_tol}; "
                  "nothing written")
 
-    def per_round(ranks, key, variant, what=_median):
+    def per_round(how, key, variant, what=_median):
         """For each round: the mean over ranks of that rank's median per-update `key` time of `variant`."""
-        return [statistics.fmean(what(x[key][variant]) for x in results) for results in runs[ranks]]
+        return [statistics.fmean(what(x[key][variant]) for x in results) for results in runs[how]]
 
-    one = per_round(1, "wall", "group")
-    two = per_round(2, "wall", "group")
-    local = per_round(2, "wall", "local")
-    overhead = [g - l for g, l in zip(two, local)]
-    flat = [statistics.fmean(x["collective_s"]["flat"] for x in results) for results in runs[2]]
-    per_parameter = [statistics.fmean(x["collective_s"]["per_parameter"] for x in results) for results in runs[2]]
-    tokens = runs[1][0][0]["tokens"]
+    one = per_round("single", "wall", "group")
+
+    def two_ranks(how):
+        two = per_round(how, "wall", "group")
+        local = per_round(how, "wall", "local")
+        overhead = [g - l for g, l in zip(two, local)]
+        flat = [statistics.fmean(x["collective_s"]["flat"] for x in results) for results in runs[how]]
+        per_parameter = [statistics.fmean(x["collective_s"]["per_parameter"] for x in results)
+                         for results in runs[how]]
+        return {
+            "update_s": _median(two),
+            "speedup": _median([o / t for o, t in zip(one, two)]),
+            "local_share_s": _median(local),
+            "overhead_s": _median(overhead),
+            "overhead_share": _median([o / t for o, t in zip(overhead, two)]),
+            "allreduce_flat_s": _median(flat),
+            "allreduce_per_parameter_s": _median(per_parameter),
+            "allreduce_share": _median([f / t for f, t in zip(flat, two)]),
+            "tokens_per_s": tokens / _median(two),
+            "cpu_s_per_update_per_rank": _median(per_round(how, "cpu", "group")),
+            "cpu_s_local_share_per_rank": _median(per_round(how, "cpu", "local")),
+            "per_round": {"update_s": two, "local_share_s": local, "allreduce_flat_s": flat,
+                          "allreduce_per_parameter_s": per_parameter},
+        }
+
+    tokens = runs["single"][0][0]["tokens"]
     results = {
         "one_rank_update_s": _median(one),
-        "two_ranks_update_s": _median(two),
-        "speedup_two_ranks": _median([o / t for o, t in zip(one, two)]),
-        "two_ranks_local_share_s": _median(local),
-        "overhead_s": _median(overhead),
-        "overhead_share": _median([o / t for o, t in zip(overhead, two)]),
-        "allreduce_flat_s": _median(flat),
-        "allreduce_per_parameter_s": _median(per_parameter),
-        "allreduce_share": _median([f / t for f, t in zip(flat, two)]),
+        "one_rank_cpu_s_per_update": _median(per_round("single", "cpu", "group")),
+        "one_rank_tokens_per_s": tokens / _median(one),
+        "two_ranks": {how: two_ranks(how) for how in launchers},
+        "mlx_launch_launcher_cpu_s": _median(launcher_cpu),
         "target_overhead_share": 0.10,
         "tokens_per_update": tokens,
-        "tokens_per_s": {"one_rank": tokens / _median(one), "two_ranks": tokens / _median(two)},
-        "cpu_s_per_update": {"one_rank": _median(per_round(1, "cpu", "group")),
-                             "two_ranks_per_rank": _median(per_round(2, "cpu", "group")),
-                             "two_ranks_local_share_per_rank": _median(per_round(2, "cpu", "local"))},
-        "per_round": {"one_rank_update_s": one, "two_ranks_update_s": two, "two_ranks_local_share_s": local,
-                      "allreduce_flat_s": flat, "allreduce_per_parameter_s": per_parameter},
+        "per_round_one_rank_update_s": one,
         "max_abs_loss_diff": max(diffs),
-        "parameters": runs[1][0][0]["parameters"],
-        "gradient_bytes": runs[1][0][0]["bytes"],
-        "blas": runs[1][0][0]["blas"],
+        "parameters": runs["single"][0][0]["parameters"],
+        "gradient_bytes": runs["single"][0][0]["bytes"],
+        "blas": runs["single"][0][0]["blas"],
         "threads_per_process": args.threads,
         "method": ("every worker OPENBLAS_NUM_THREADS=threads; 1 rank: global batch in one process; 2 ranks: "
-                   "mlx.launch -n 2 --backend ring, batch/2 rows each; overhead = group update - local update of "
-                   "the same rows on a second model copy in the same worker (interleaved); medians per worker, "
-                   "mean over ranks, median over rounds"),
+                   "ring backend, batch/2 rows each, started directly (hostfile + MLX_RANK, as mlx.launch does) "
+                   "and by mlx.launch -n 2 --backend ring; overhead = group update - local update of the same "
+                   "rows on a second model copy in the same worker (interleaved); medians per worker, mean over "
+                   "ranks, median over rounds; launcher CPU = CPU seconds of the mlx.launch command minus its "
+                   "ranks' own"),
         "changes": args.changes,
         "config": {k: v for k, v in vars(args).items() if k not in ("out", "changes", "worker", "timeout")},
     }
     path = write_results("distributed", results, args.out)
-    print(f"\n1 rank {results['one_rank_update_s']:.4f} s/update, 2 ranks {results['two_ranks_update_s']:.4f} s "
-          f"(speed-up {results['speedup_two_ranks']:.2f}x); local share {results['two_ranks_local_share_s']:.4f} s, "
-          f"overhead {results['overhead_s']:.4f} s = {results['overhead_share']:.1%} of the 2-rank update "
-          f"(target <= 10%); all-reduce alone {results['allreduce_flat_s']:.4f} s flat vs "
-          f"{results['allreduce_per_parameter_s']:.4f} s per parameter")
+    print(f"\n1 rank {results['one_rank_update_s']:.4f} s/update")
+    for how, r in results["two_ranks"].items():
+        print(f"2 ranks ({how}) {r['update_s']:.4f} s (speed-up {r['speedup']:.2f}x); local share "
+              f"{r['local_share_s']:.4f} s, overhead {r['overhead_s']:.4f} s = {r['overhead_share']:.1%} of the "
+              f"update (target <= 10%); all-reduce alone {r['allreduce_flat_s']:.4f} s flat vs "
+              f"{r['allreduce_per_parameter_s']:.4f} s per parameter")
+    print(f"mlx.launch's own CPU: {results['mlx_launch_launcher_cpu_s']:.1f} s per run")
     print(f"wrote {path}")
 
 

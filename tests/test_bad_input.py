@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from _finetune_helpers import text_dir, tiny_model  # noqa: F401
-from pose_mlx import demo, finetune, passkey, perplexity
+from pose_mlx import demo, finetune, launch, passkey, perplexity
 
 DEFAULT = ["--window", "16", "--steps", "3", "--no-progress"]
 
@@ -180,6 +180,11 @@ CASES = [
     ("demo-factor", *_ev(demo, "--out", "{out}/demo", "--factor", "1"), "--factor"),
     ("demo-model", *_ev(demo, "--out", "{out}/demo", "--model", "{root}/nowhere"), "no config.json"),
     ("demo-lr", *_ev(demo, "--out", "{out}/demo", "--lr", "0"), "--lr"),
+    ("launch-zero-ranks", launch.main, ["-n", "0", "--", "true"], "at least 1"),
+    ("launch-ranks-word", launch.main, ["-n", "two", "--", "true"], "invalid int value"),
+    ("launch-no-command", launch.main, ["-n", "2"], "command"),
+    ("launch-missing-program", launch.main, ["-n", "2", "--", "{root}/nowhere/python"], "cannot start"),
+    ("launch-grace-negative", launch.main, ["-n", "2", "--grace", "-1", "--", "true"], "--grace"),
 ]
 
 

@@ -1,6 +1,6 @@
-"""Data-parallel fine-tuning: 2 ranks launched with `mlx.launch` (ring backend, this machine) with per-rank batch b
-give the per-step losses of 1 process with batch 2b over the same examples (<= 1e-4), also across a SIGKILL and
---resume of the whole group. Runs the real CLI in subprocesses."""
+"""Data-parallel fine-tuning: 2 ranks launched with `mlx.launch` or `python -m pose_mlx.launch` (ring backend, this
+machine) with per-rank batch b give the per-step losses of 1 process with batch 2b over the same examples
+(<= 1e-4), also across a SIGKILL and --resume of the whole group. Runs the real CLI in subprocesses."""
 
 
 import json
@@ -58,7 +58,9 @@ def _start(command):
     return proc
 
 
-def _launch(args):
+def _launch(args, launcher="mlx.launch"):
+    if launcher == "pose_mlx.launch":
+        return _start([sys.executable, "-m", "pose_mlx.launch", "-n", "2", "--", sys.executable, *args])
     return _start([LAUNCH, "-n", "2", "--backend", "ring", "--", sys.executable, *args])
 
 
@@ -91,10 +93,12 @@ def reference(tiny_model, text_dir, tmp_path_factory):
     return [r["loss"] for r in read_log(out / "train_log.jsonl")]
 
 
-@pytest.mark.skipif(LAUNCH is None, reason="mlx.launch is not installed")
-def test_two_ranks_match_one_process_with_twice_the_batch(reference, tiny_model, text_dir, tmp_path):
+@pytest.mark.parametrize("launcher", ["mlx.launch", "pose_mlx.launch"])
+def test_two_ranks_match_one_process_with_twice_the_batch(reference, tiny_model, text_dir, tmp_path, launcher):
+    if launcher == "mlx.launch" and LAUNCH is None:
+        pytest.skip("mlx.launch is not installed")
     out = tmp_path / "out"
-    proc = _launch(_args(tiny_model, text_dir, out, tmp_path / "cache", 1))
+    proc = _launch(_args(tiny_model, text_dir, out, tmp_path / "cache", 1), launcher)
     stdout, stderr = proc.communicate(timeout=180)
     assert proc.returncode == 0, stderr
     log = read_log(out / "train_log.jsonl")
@@ -175,6 +179,46 @@ def test_stopped_ranks_report_once(tiny_model, text_dir, tmp_path):
     assert stderr.count("stopped: interrupted by SIGTERM") == 1, stderr
     state = json.loads((tmp_path / "out.partial" / "checkpoint" / "state.json").read_text())
     assert state["step"] == len(read_log(log)) < 400
+
+
+def test_ctrl_c_under_pose_mlx_launch_saves_once_and_resumes(tiny_model, text_dir, tmp_path):
+    """Ctrl-C in a terminal (SIGINT to the launcher's process group): the launcher waits, both ranks stop at the same
+    step, rank 0 saves and alone prints "stopped:", the launcher exits with 130; `--resume` under the launcher then
+    finishes the run (to a raised --steps) and exports."""
+    out = tmp_path / "out"
+    log = tmp_path / "out.partial" / "log.jsonl"
+    proc = _launch(_args(tiny_model, text_dir, out, tmp_path / "cache", 1, "--steps", "400"), "pose_mlx.launch")
+    start = time.time()
+    while not (log.exists() and len(log.read_text().splitlines()) >= 3):
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.time() - start < 120, "the group did not progress"
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert stderr.count("stopped: interrupted by SIGINT") == 1, stderr
+    saved = json.loads((tmp_path / "out.partial" / "checkpoint" / "state.json").read_text())["step"]
+    assert saved == len(read_log(log)) < 400 and not out.exists()
+    done = _launch(["-m", "pose_mlx.finetune", "--resume", "--output", str(out), "--steps", str(saved + 2),
+                    "--no-progress"], "pose_mlx.launch")
+    _, stderr = done.communicate(timeout=180)
+    assert done.returncode == 0, stderr
+    assert [r["step"] for r in read_log(out / "train_log.jsonl")] == list(range(1, saved + 3))
+    assert (out / "model.safetensors").is_file()
+
+
+def test_pose_mlx_launch_stops_the_group_when_a_rank_fails(tmp_path):
+    """A rank that exits with an error while the other waits forever: after --grace seconds the other is
+    terminated, and the launcher exits with the failed rank's code."""
+    script = tmp_path / "fail.py"
+    script.write_text("import os, sys, time\n"
+                      "if os.environ['MLX_RANK'] == '1':\n    sys.exit(3)\n"
+                      "time.sleep(600)\n")
+    start = time.time()
+    proc = _start([sys.executable, "-m", "pose_mlx.launch", "-n", "2", "--grace", "1", "--", sys.executable,
+                   str(script)])
+    proc.communicate(timeout=60)
+    assert proc.returncode == 3 and time.time() - start < 30
 
 
 @pytest.mark.skipif(LAUNCH is None, reason="mlx.launch is not installed")
