@@ -13,14 +13,16 @@ the config.json of a hub model) and every check that can be made before loading 
 - the output: `<output>` and its run folder `<output>.partial` may be written without destroying anything that
   pose_mlx did not write: never the model or data folder, a parent of them, or a folder inside the data (it would
   be read as training data); `--overwrite` only replaces folders that hold pose_mlx's own metadata;
-- one run at a time per output: a lock file `.<output>.lock` (pid and host) is taken for the whole run; a lock
-  left by a process that died is taken over with a message; temporary files a killed run left are removed;
+- one run at a time per output: an exclusive flock on `.<output>.lock` (which names the holder's pid and host)
+  is held for the whole run; the file a process that died left behind is taken over with a message; temporary
+  files a killed run left are removed;
 - the run folder is claimed: a new run starts it afresh with the settings in run.json; a resumed one must have
   as many ranks (`mlx.launch -n`) as the run it continues.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -55,7 +57,7 @@ class RunPlan:
     overwrite: bool
     world: World
     lora: LoraSpec | None
-    lock: Path | None = None
+    lock: OutputLock | None = None
 
     @property
     def example_length(self) -> int:
@@ -69,7 +71,7 @@ class RunPlan:
             return
         if failed and not self.resume and not (self.partial / "checkpoint" / "state.json").exists():
             shutil.rmtree(self.partial, ignore_errors=True)
-        self.lock.unlink(missing_ok=True)
+        self.lock.release()
         self.lock = None
 
 
@@ -202,44 +204,60 @@ def _check_existing(plan: RunPlan) -> None:
 # ----------------------------------------------------------------------------------------------- the lock
 
 
+class OutputLock:
+    """An exclusive `flock` on `.<output>.lock`, which also names the holder (pid, host) for the message of a run
+    that is refused. The kernel drops the flock when the holder's process ends, however it ends (SIGKILL, a
+    zombie never reaped): a lock file left behind is stale exactly when nobody holds its flock."""
+
+    def __init__(self, path: Path, fd: int):
+        self.path, self.fd = path, fd
+
+    def release(self) -> None:
+        """Remove the file while still holding the flock, then drop it (a run waiting on the old file retries)."""
+        self.path.unlink(missing_ok=True)
+        os.close(self.fd)
+
+
 def lock_path(output: Path) -> Path:
     return output.with_name(f".{output.name}.lock")
 
 
-def _alive(pid: int) -> bool:
+def _holder(fd: int) -> dict:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
+        text = os.pread(fd, 4096, 0).decode()
+        holder = json.loads(text) if text.strip() else {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return holder if isinstance(holder, dict) else {}
 
 
-def take_lock(output: Path) -> Path:
-    """Create `.<output>.lock` holding this process's pid and host; refuse while another live run holds it."""
+def take_lock(output: Path) -> OutputLock:
+    """Hold the flock of `.<output>.lock` and write this process's pid and host in it; refuse while another run
+    holds it. A file left by a run that is gone is taken over with a message."""
     path = lock_path(output)
     path.parent.mkdir(parents=True, exist_ok=True)
-    me = {"pid": os.getpid(), "host": socket.gethostname()}
-    for _ in range(2):
+    for _ in range(3):
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            try:
-                holder = json.loads(path.read_text() or "{}")
-            except (OSError, json.JSONDecodeError):
-                holder = {}
-            pid, host = holder.get("pid"), holder.get("host")
-            if host == me["host"] and isinstance(pid, int) and not _alive(pid):
-                print(f"warning: taking over the lock {path} left by process {pid}, which is no longer running",
-                      file=sys.stderr)
-                path.unlink(missing_ok=True)
-                continue
-            raise UserError(f"another run (pid {pid} on {host}) is writing {output}; wait for it to finish, or "
-                            f"delete {path} if that run is gone") from None
-        with os.fdopen(fd, "w") as f:
-            json.dump(me, f)
-        return path
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise UserError(f"another run (pid {holder.get('pid')} on {holder.get('host')}) is writing {output}; "
+                            f"wait for it to finish, or delete {path} if that run is gone") from None
+        try:
+            same_file = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same_file = False
+        if not same_file:  # its holder released (removed) it between our open and our flock: open the new one
+            os.close(fd)
+            continue
+        if (pid := _holder(fd).get("pid")) is not None:
+            print(f"warning: taking over the lock {path} left by process {pid}, which is no longer running",
+                  file=sys.stderr)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode(), 0)
+        return OutputLock(path, fd)
     raise UserError(f"cannot take the lock {path}; another run keeps taking it")
 
 

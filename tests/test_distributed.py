@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from _finetune_helpers import read_log, text_dir, tiny_model  # noqa: F401
+from pose_mlx.plan import lock_path
 from pose_mlx.training.data import ExampleStream, TokenizedCorpus
 
 STEPS = 12
@@ -109,6 +110,21 @@ def test_two_ranks_match_one_process_with_twice_the_batch(reference, tiny_model,
     assert (out / "model.safetensors").is_file() and not (tmp_path / "out.partial").exists()
 
 
+def _wait_until_released(lock, timeout=30):
+    """Until no process holds the flock of `lock` (the kernel drops it once its holder has exited)."""
+    import fcntl
+
+    start = time.time()
+    while lock.exists():
+        with open(lock) as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                assert time.time() - start < timeout, f"{lock} is still held {timeout} s after the kill"
+        time.sleep(0.01)
+
+
 @pytest.mark.skipif(LAUNCH is None, reason="mlx.launch is not installed")
 def test_group_killed_and_resumed_keeps_the_losses(tiny_model, text_dir, tmp_path):
     """SIGKILL of the launcher and both ranks mid-run, then --resume by a new group: the losses of an
@@ -129,6 +145,7 @@ def test_group_killed_and_resumed_keeps_the_losses(tiny_model, text_dir, tmp_pat
         time.sleep(0.01)
     os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both ranks
     proc.wait(timeout=30)
+    _wait_until_released(lock_path(out))  # the ranks, not waited for, may still be exiting
     killed_at = len(read_log(log))
     assert 5 <= killed_at < 40 and not out.exists(), "the kill did not land mid-run"
     done = _launch(_args(tiny_model, text_dir, out, tmp_path / "cache", 1, *steps, "--resume"))

@@ -94,27 +94,34 @@ def test_a_collapsed_model_is_never_exported(tiny_model, text_dir, tmp_path, cap
 
 
 def test_a_second_run_on_the_same_output_is_refused(tiny_model, tmp_path, capsys):
-    """A lock naming a live process (here: this one) stops a second run; it leaves the first one's files alone."""
-    from pose_mlx.plan import lock_path
+    """A lock held by a live run (here: this process) stops a second run; it leaves the first one's files alone."""
+    from pose_mlx.plan import take_lock
 
     out = tmp_path / "out"
-    lock = lock_path(out)
-    lock.write_text(json.dumps({"pid": os.getpid(), "host": os.uname().nodename}))
+    held = take_lock(out)
     code, err = _run(capsys, "--model", tiny_model, "--target", "4x", "--sampler", "none", "--output", out)
     assert code == 2 and f"another run (pid {os.getpid()}" in _one_error(err)
-    assert lock.exists() and not out.exists()
+    assert held.path.exists() and not out.exists()
+    held.release()
 
 
 def test_a_stale_lock_is_taken_over_with_a_message(tiny_model, tmp_path, capsys):
+    """A process holding the lock is SIGKILLed and never reaped (a zombie, which signal 0 still finds, as when
+    the launcher of a killed group is gone and nobody reaps its ranks): its lock file does not stop the next run."""
     from pose_mlx.plan import lock_path
 
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
     out = tmp_path / "out"
-    lock_path(out).write_text(json.dumps({"pid": dead.pid, "host": os.uname().nodename}))
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pose_mlx.plan import take_lock; "
+                               f"take_lock(__import__('pathlib').Path({str(out)!r})); print(flush=True); "
+                               "time.sleep(600)"], stdout=subprocess.PIPE)
+    holder.stdout.readline()  # it holds the lock
+    holder.kill()
+    os.waitid(os.P_PID, holder.pid, os.WEXITED | os.WNOWAIT)  # it has died, and is left unreaped
+    os.kill(holder.pid, 0)  # a zombie: still "alive" to a pid check
     code, err = _run(capsys, "--model", tiny_model, "--target", "4x", "--sampler", "none", "--output", out)
+    holder.wait()
     assert code == 0, err
-    assert f"taking over the lock" in err and str(dead.pid) in err
+    assert "taking over the lock" in err and str(holder.pid) in err
     assert (out / "config.json").is_file() and not lock_path(out).exists()  # released at the end
 
 
