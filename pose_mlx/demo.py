@@ -4,7 +4,7 @@ The base model ships with the package (`pose_mlx/sim/pretrained/`): the small ll
 pre-trained from scratch at Lc = 128 tokens on this project's default corpus (see its `pretrain.json`). Steps, all
 through the real commands (no special cases):
   1. corpus: the running interpreter's standard-library .py files, the longest few held out as test documents;
-  2. `pose_mlx.finetune --method pose --target 8x`: PoSE fine-tuning on Lc-token windows with position ids < 8 Lc
+  2. `pose_mlx.finetune --full --sampler pose --target 8x`: PoSE fine-tuning on Lc-token windows with position ids < 8 Lc
      (linear schedule, full fine-tuning);
   3. `pose_mlx.perplexity` of the original model (no change), the model with PI only (schedule, no training) and
      the PoSE model at Lc, 2 Lc, 4 Lc, 8 Lc on the test documents.

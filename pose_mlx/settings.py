@@ -112,7 +112,7 @@ _HELP = {
     "warmup": "linear warm-up updates, then linear decay to 0 (default 10)",
     "max_grad_norm": "clip the global gradient norm (default 1.0)",
     "grad_checkpoint": "recompute activations in the backward pass (~35%% less memory, ~50%% slower)",
-    "data": "text file, folder of .txt/.md/.jsonl files (mlx-lm's train/valid/test.jsonl layout included), "
+    "data": "text file, folder of .txt/.md/.py/.jsonl files (mlx-lm's train/valid/test.jsonl layout included), "
             "or a hub dataset repo",
     "min_length": "skip documents shorter than this many tokens (default: the window; the target for "
                   "--sampler full)",

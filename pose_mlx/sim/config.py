@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Small-scale simulator of the PoSE paper: pre-train a small llama at Lc, run the grid of context "
         "extensions with pose_mlx.finetune, evaluate with pose_mlx.perplexity / pose_mlx.passkey, and write "
         "report.md, results.json and PNGs. Every stage is cached in --out; rerun to resume."))
-    p.add_argument("--quick", action="store_true", help="toy sizes (the whole pipeline in a few minutes; for CI)")
+    p.add_argument("--quick", action="store_true", help="toy sizes (the whole pipeline in about 20 s; for CI)")
     defaults = SimConfig()
     helps = {
         "out": "working folder: every stage's output and cache, report.md, results.json, PNGs",
