@@ -29,12 +29,13 @@ def line_vs_length(
 ) -> Path:
     """One line per entry of `series` (label -> values at `lengths`), log2 x axis; saved as PNG.
 
-    `mark`: draw a dashed vertical line there, labelled "original window".
+    `mark`: draw a dashed vertical line there, labelled "original window". The legend sits right of the axes,
+    never over the data.
     """
     from matplotlib.ticker import FuncFormatter
 
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(8, 4))
     for label, values in series.items():
         ax.plot(lengths, values, marker="o", label=label)
     ax.set_xscale("log", base=2)
@@ -52,9 +53,8 @@ def line_vs_length(
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0, fontsize="small")
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return Path(path)
 
