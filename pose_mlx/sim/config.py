@@ -40,6 +40,7 @@ class SimConfig:
     lr: float = 2e-4
     cost_steps: int = 20  # updates of each cost run (equal sequences per update, Lt = 2 Lc .. target)
     passkey_trials: int = 20
+    ruler_samples: int = 5  # samples per RULER task and length (original, pose-linear, pose-yarn)
     seed: int = 0
 
     @property
@@ -60,18 +61,23 @@ class SimConfig:
         return out + [self.target]
 
     @property
+    def eval_stride(self) -> int:
+        """Tokens between perplexity windows: Lc / 2 at every length (sliding windows, as the paper's)."""
+        return max(1, self.window // 2)
+
+    @property
     def window_batch(self) -> int:
         """Sequences per update for window-length methods: same tokens per update as full-length."""
         return self.full_batch * self.target // self.window
 
     def to_dict(self) -> dict:
         return {**asdict(self), "target": self.target, "base": self.base, "lengths": self.lengths,
-                "window_batch": self.window_batch}
+                "window_batch": self.window_batch, "eval_stride": self.eval_stride}
 
 
 QUICK = dict(corpus_chars=400_000, test_docs=2, test_tokens=512, vocab=512, window=32, hidden=32, layers=2,
              heads=2, ffn=64, pretrain_steps=30, pretrain_batch=8, pretrain_lr=3e-3, steps=3, full_batch=1,
-             lr=1e-3, cost_steps=2, passkey_trials=2, factor=8)
+             lr=1e-3, cost_steps=2, passkey_trials=2, ruler_samples=1, factor=8)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
         "cost_steps": "updates of each cost run: PoSE and full-length at 2x ... the target, full_batch sequences "
                       "per update for both (timed only)",
         "passkey_trials": "passkey trials per evaluation length",
+        "ruler_samples": "samples per task and length of the RULER subset (niah_single_1, niah_multikey_1, vt) "
+                         "run on Original, PoSE + linear and PoSE + YaRN",
         "seed": "seed of the corpus split, initialisation, data sampling and passkey keys",
     }
     extra = {"corpus": "", "corpus_chars": "", "rope_base": ""}  # their help states the default
@@ -125,7 +133,8 @@ def parse_config(argv=None) -> SimConfig:
     values.update({k: v for k, v in vars(args).items() if k != "quick" and v is not None})
     config = SimConfig(**values)
     for name in ("window", "factor", "vocab", "hidden", "layers", "heads", "ffn", "pretrain_steps",
-                 "pretrain_batch", "steps", "full_batch", "cost_steps", "passkey_trials", "test_docs"):
+                 "pretrain_batch", "steps", "full_batch", "cost_steps", "passkey_trials", "ruler_samples",
+                 "test_docs"):
         if getattr(config, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(config, name)}")
     if config.factor < 2:

@@ -16,7 +16,13 @@ import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .. import finetune, passkey, perplexity
+from .. import finetune, passkey, perplexity, ruler
+from ..errors import UserError
+from ..ruler_tasks import PromptBuilder
+
+#: RULER's subset run by the simulator (`pose_mlx.ruler`), and the runs it probes.
+RULER_TASKS = ("niah_single_1", "niah_multikey_1", "vt")
+RULER_RUNS = ("original", "pose-linear", "pose-yarn")
 
 
 @dataclass(frozen=True)
@@ -31,9 +37,10 @@ class Run:
     cost_only: bool = False
 
 
-def grid_runs(window: int, factor: int) -> list[Run]:
-    """Original; schedule-only baselines; full-length, PoSE (linear / ntk / yarn); RandPos; chunk ablation
-    N in {1, 2, 3, Lc}; content ablation (uniform / zero / aligned); cost runs at Lt = 2 Lc .. the target."""
+def grid_runs(factor: int) -> list[Run]:
+    """Original; schedule-only baselines; full-length, PoSE (linear / ntk / yarn); RandPos (Lc positions drawn
+    from [0, Lt), sorted: the extreme of the chunk ablation); chunk ablation N in {1, 2, 3}; content ablation
+    (uniform / zero / aligned); cost runs at Lt = 2 Lc .. the target."""
     runs = [Run("original", "Original", "none", "none")]
     runs += [Run(f"{s}-only", f"{'PI' if s == 'linear' else s.upper() if s == 'ntk' else 'YaRN'}-only", "none", s)
              for s in ("linear", "ntk", "yarn")]
@@ -41,7 +48,7 @@ def grid_runs(window: int, factor: int) -> list[Run]:
         runs.append(Run(f"full-{s}", f"Full-length + {s}", "full", s))
         runs.append(Run(f"pose-{s}", f"PoSE + {s}", "pose", s))
     runs.append(Run("randpos-linear", "RandPos + linear", "randpos", "linear"))
-    for n in sorted({1, 3, window}):
+    for n in (1, 3):
         runs.append(Run(f"pose-linear-n{n}", f"PoSE N={n}", "pose", "linear", chunks=n))
     for content in ("zero", "aligned"):
         runs.append(Run(f"pose-linear-{content}", f"PoSE v_i {content}", "pose", "linear", content=content))
@@ -93,10 +100,10 @@ def cost(folder: Path) -> dict | None:
             "final_loss": log[-1]["loss"], "steps": len(log)}
 
 
-def evaluate_perplexity(model: Path, test: Path, lengths: list[int], docs: int, output: Path) -> None:
-    """Non-overlapping windows (stride capped at W-1) over whole test documents, every length."""
+def evaluate_perplexity(model: Path, test: Path, lengths: list[int], docs: int, stride: int, output: Path) -> None:
+    """Sliding windows `stride` tokens apart (capped at W-1) over whole test documents, every length."""
     code = perplexity.main(["--model", str(model), "--data", str(test), "--lengths", ",".join(map(str, lengths)),
-                            "--stride", str(max(lengths)), "--docs", str(docs), "--min-doc-tokens", str(max(lengths)),
+                            "--stride", str(stride), "--docs", str(docs), "--min-doc-tokens", str(max(lengths)),
                             "--no-truncate", "--output", str(output), "--no-progress"])
     if code:
         raise RuntimeError(f"pose_mlx.perplexity on {model} failed with exit code {code}")
@@ -107,6 +114,28 @@ def evaluate_passkey(model: Path, lengths: list[int], trials: int, seed: int, ou
                          "--seed", str(seed), "--output", str(output), "--no-progress"])
     if code:
         raise RuntimeError(f"pose_mlx.passkey on {model} failed with exit code {code}")
+
+
+def ruler_lengths(tokenizer, task: str, lengths: list[int]) -> list[int]:
+    """The lengths at which `task`'s template and needles fit (pose_mlx.ruler refuses the others).
+    `tokenizer`: the model's mlx-lm / transformers tokenizer."""
+    builder = PromptBuilder(tokenizer, samples=1, chat=False)
+    fits = []
+    for n in lengths:
+        try:
+            builder.sample(task, n, 0)
+        except UserError:
+            continue
+        fits.append(n)
+    return fits
+
+
+def evaluate_ruler(model: Path, task: str, lengths: list[int], samples: int, seed: int, output: Path) -> None:
+    code = ruler.main(["--model", str(model), "--lengths", ",".join(map(str, lengths)), "--tasks", task,
+                       "--samples", str(samples), "--seed", str(seed), "--no-chat", "--no-progress",
+                       "--output", str(output)])
+    if code:
+        raise RuntimeError(f"pose_mlx.ruler on {model} failed with exit code {code}")
 
 
 def passkey_template_tokens(tokenizer) -> int:

@@ -2,12 +2,13 @@
 
 The model is a random mlx-lm llama (`pose_mlx.toy`), patched with `pose_mlx.extend(model, "none", Lc, Lc)`
 (the raw RoPE frequencies, so explicit position ids work) and trained with the fine-tuning loop on
-contiguous positions 0..Lc-1. Documents are cut into consecutive blocks of Lc tokens (`block_corpus`);
-each example is one block drawn at random. With `passkey_fraction` f > 0, K = f / (1 - f) x (text blocks)
-synthetic passkey prompts (`corpus.passkey_documents`, one block each) join them, so a share f of the
-sequences drawn are passkey prompts with their answer (none when the prompt template does not fit Lc); (the data stream's 'contiguous' method takes a document prefix,
-so a block per "document" makes every part of a file trainable). Checkpoints live in
-`<folder>.partial/`, so an interrupted pre-training resumes; the finished model is written to `<folder>`.
+contiguous positions 0..Lc-1. Documents are cut into consecutive blocks of Lc tokens, each BOS + Lc - 1 tokens
+of text (`block_corpus`), one block per "document" of the data stream (its 'contiguous' method takes a
+document's prefix, so every part of a file is trainable); each example is one block drawn at random. With
+`passkey_fraction` f > 0, K = f / (1 - f) x (text blocks) synthetic passkey prompts (`corpus.passkey_documents`,
+one block each) join them, so a share f of the sequences drawn are passkey prompts with their answer (none when
+the prompt template does not fit Lc). Checkpoints live in `<folder>.partial/`, so an interrupted pre-training
+resumes; the finished model is written to `<folder>`.
 """
 
 from __future__ import annotations
@@ -25,31 +26,40 @@ from ..training.data import ExampleStream, TokenizedCorpus, tokenize_corpus
 from .corpus import passkey_documents, write_passkey_file
 
 
-def block_corpus(corpora: list[TokenizedCorpus], window: int,
-                 max_blocks: list[int | None] | None = None) -> TokenizedCorpus:
+def block_corpus(corpora: list[TokenizedCorpus], window: int, max_blocks: list[int | None] | None = None,
+                 bos: int | None = None) -> TokenizedCorpus:
     """One corpus whose documents are the consecutive, non-overlapping `window`-token blocks of every
     document of `corpora` (a document's last partial block is dropped; at most `max_blocks[k]` blocks per
-    document of corpus k, None: all)."""
+    document of corpus k, None: all). With `bos`, every block starts with it, as every sequence the model will
+    be asked about does: a document's own leading BOS is dropped and its text cut into `window - 1`-token
+    pieces, each after a BOS."""
     if window < 2:
         raise ValueError(f"window must be >= 2, got {window}")
     max_blocks = max_blocks or [None] * len(corpora)
     if len(max_blocks) != len(corpora):
         raise ValueError(f"max_blocks must have one entry per corpus ({len(corpora)}), got {len(max_blocks)}")
+    piece = window if bos is None else window - 1
     pieces, starts, base = [], [], 0
     for corpus, limit in zip(corpora, max_blocks):
         for i in range(corpus.num_docs):
             doc = np.asarray(corpus.doc(i))
-            n = len(doc) // window if limit is None else min(len(doc) // window, limit)
+            if bos is not None and len(doc) and doc[0] == bos:
+                doc = doc[1:]
+            n = len(doc) // piece if limit is None else min(len(doc) // piece, limit)
             if n:
-                pieces.append(doc[: n * window])
+                body = doc[: n * piece].reshape(n, piece)
+                if bos is not None:
+                    body = np.concatenate([np.full((n, 1), bos, body.dtype), body], axis=1)
+                pieces.append(body.reshape(-1))
                 starts.append(base + window * np.arange(n))
                 base += n * window
     if not pieces:
-        raise ValueError(f"no document has >= {window} tokens")
+        raise ValueError(f"no document has >= {piece} tokens")
     tokens = np.concatenate(pieces).astype(np.int32)
     offsets = np.append(np.concatenate(starts), base).astype(np.int64)
-    key = hashlib.sha256(("|".join(c.fingerprint for c in corpora) + f"|blocks{window}").encode()).hexdigest()[:16]
-    return TokenizedCorpus(tokens, offsets, np.arange(len(offsets) - 1), key, {"window": window})
+    key = hashlib.sha256(("|".join(c.fingerprint for c in corpora) + f"|blocks{window}|bos{bos}").encode()
+                         ).hexdigest()[:16]
+    return TokenizedCorpus(tokens, offsets, np.arange(len(offsets) - 1), key, {"window": window, "bos": bos})
 
 
 def pretrain(folder: Path, tokenizer_dir: Path, train_dir: Path, val_dir: Path, cache_dir: Path, *,
@@ -74,7 +84,8 @@ def pretrain(folder: Path, tokenizer_dir: Path, train_dir: Path, val_dir: Path, 
     config = json.loads((init / "config.json").read_text())
     extend(model, "none", window, window)
     text = tokenize_corpus(train_dir, tokenizer, cache_dir, window, progress=progress)
-    text_blocks = block_corpus([text], window).num_docs
+    bos = tokenizer.bos_token_id
+    text_blocks = block_corpus([text], window, bos=bos).num_docs
     # K passkey blocks among text_blocks + K: a passkey_fraction share of the sequences drawn
     count = round(passkey_fraction / (1 - passkey_fraction) * text_blocks)
     passkey_texts = passkey_documents(tokenizer, count, window, seed)
@@ -82,14 +93,15 @@ def pretrain(folder: Path, tokenizer_dir: Path, train_dir: Path, val_dir: Path, 
     if passkey_texts:
         passkey_file = write_passkey_file(partial / "passkey.jsonl", passkey_texts)
         sources.append(tokenize_corpus(passkey_file, tokenizer, cache_dir, window, progress=progress))
-    blocks = block_corpus(sources, window, [None, 1][: len(sources)])
+    blocks = block_corpus(sources, window, [None, 1][: len(sources)], bos=bos)
     pad = tokenizer.eos_token_id or 0
     stream = ExampleStream(blocks, window, window, sampler="contiguous", batch_size=batch, seed=seed, pad_id=pad)
     resume = (partial / "checkpoint").exists()
     tconfig = TrainConfig(steps=steps, lr=lr, warmup=max(1, steps // 20), save_every=max(1, steps // 10),
                           progress=progress)
     last = train(model, stream, tconfig, partial, use_positions, resume=resume)
-    val = block_corpus([tokenize_corpus(val_dir, tokenizer, cache_dir, window, progress=progress)], window)
+    val = block_corpus([tokenize_corpus(val_dir, tokenizer, cache_dir, window, progress=progress)], window,
+                       bos=bos)
     val_stream = ExampleStream(val, window, window, sampler="contiguous", batch_size=batch, seed=seed + 1,
                                pad_id=pad)
     val_loss = evaluate(model, itertools.islice(iter(val_stream), 10), use_positions)

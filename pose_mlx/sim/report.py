@@ -14,8 +14,8 @@ TABLES = (
     ("ppl_schedules", "PoSE and full-length with each RoPE schedule (cf. paper Table 6)",
      ("linear-only", "ntk-only", "yarn-only", "full-linear", "full-ntk", "full-yarn", "pose-linear", "pose-ntk",
       "pose-yarn")),
-    ("ppl_chunks", "Chunk-number ablation N (cf. paper Table 5)", ("pose-linear-n1", "pose-linear",
-                                                                   "pose-linear-n3", "pose-linear-n{window}")),
+    ("ppl_chunks", "Chunk-number ablation N, RandPos as its extreme (cf. paper Table 5)",
+     ("pose-linear-n1", "pose-linear", "pose-linear-n3", "randpos-linear")),
     ("ppl_content", "Content offsets v_i ablation (cf. paper Table 4)", ("pose-linear", "pose-linear-zero",
                                                                         "pose-linear-aligned")),
 )
@@ -81,6 +81,40 @@ def plots(results: dict, folder: Path) -> list[Path]:
     return out
 
 
+def ruler_section(results: dict) -> list[str]:
+    """RULER's subset (`pose_mlx.ruler`, plain prompts): score per run, task and length ('-': does not fit)."""
+    table = results.get("ruler") or {}
+    if not table:
+        return []
+    lengths = results["config"]["lengths"]
+    lines = ["### RULER subset", "", f"`pose_mlx.ruler --no-chat`, {results['config']['ruler_samples']} samples per "
+             "task and length; '-' where the task's template and needles do not fit the length.", "",
+             "| run | task | " + " | ".join(map(str, lengths)) + " |", "|---|---|" + "---|" * len(lengths)]
+    for name, tasks in table.items():
+        for task, scores in tasks.items():
+            lines.append(f"| {_label(results, name)} | {task} | "
+                         + " | ".join(f"{scores[str(n)]:.2f}" if str(n) in scores else "-" for n in lengths) + " |")
+    return lines + [""]
+
+
+def gates_section(results: dict) -> list[str]:
+    """The base model's gates (`pose_mlx.sim.gates`): does it behave like a small real LLM?"""
+    g, c = results.get("gates"), results["config"]
+    if not g:
+        return []
+    passkey = g["passkey_at_lc"]
+    verdict = "not testable (the prompt template does not fit Lc)" if passkey is None else (
+        f"{passkey:.2f} over {g['passkey_trials']} trials: "
+        + ("**held**" if passkey >= g["passkey_threshold"] else "**did not hold**"))
+    return ["## The base model", "",
+            "| gate | value |", "|---|---|",
+            f"| passkey accuracy at Lc = {c['window']} (needs >= {g['passkey_threshold']:.2f}) | {verdict} |",
+            f"| perplexity at Lc (validation) | {results['pretrain']['val_ppl']:.2f} |",
+            f"| no-context perplexity (each test token after BOS only) | {g['no_context_ppl']:.1f} |",
+            f"| unigram perplexity of the test text (add-one, training counts) | {g['unigram_ppl']:.1f} |",
+            f"| attention on the first token (mean over layers, heads, queries) | {g['sink_share']:.3f} |", ""]
+
+
 def write_report(results: dict, folder: Path, pngs: list[Path]) -> Path:
     c, pre = results["config"], results["pretrain"]
     held = {True: "**held**", False: "**did not hold**", None: "not evaluated"}
@@ -98,13 +132,14 @@ def write_report(results: dict, folder: Path, pngs: list[Path]) -> Path:
         f"{c['window']} tokens (other methods), lr {c['lr']:g}. Corpus: {results['corpus']['source']} "
         f"({results['corpus']['documents']}); test = the {c['test_docs']} longest documents, first "
         f"{c['test_tokens']} tokens each.", "",
-        "## Claims", "",
     ]
+    parts += gates_section(results)
+    parts += ["## Claims", ""]
     for claim in results["claims"]:
         parts.append(f"- ({claim['id']}) {claim['claim']}: {held[claim['held']]}. {claim['detail']}")
     parts += ["", "## Perplexity", "",
-              "Token-weighted sliding-window perplexity on the test documents (non-overlapping windows, "
-              "BOS + W-1 tokens; `pose_mlx.perplexity`).", ""]
+              "Token-weighted sliding-window perplexity on the test documents (windows of BOS + W-1 tokens, "
+              f"{c['eval_stride']} tokens apart; `pose_mlx.perplexity`).", ""]
     for stem, title, names in TABLES:
         names = _runs(results, names)
         if names:
@@ -114,6 +149,7 @@ def write_report(results: dict, folder: Path, pngs: list[Path]) -> Path:
               "(`pose_mlx.passkey`; lengths shorter than the prompt template are not tested).", ""]
     if passkey_runs:
         parts += [metric_table(results, passkey_runs, "passkey", ".2f"), "", "![passkey](passkey.png)", ""]
+    parts += ruler_section(results)
     parts += ["## Cost", "", "Median seconds per update (first update left out) and peak memory of training, "
               f"with {c['full_batch']} sequences per update for both methods: Lc tokens each for PoSE, Lt for "
               "full-length (cf. paper Figure 3).", "", cost_table(results), ""]

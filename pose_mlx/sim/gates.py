@@ -1,0 +1,116 @@
+"""Gates of the simulator's base model: numbers that say whether it behaves like a small real LLM.
+
+- `unigram_ppl`: perplexity of a context-free model of the training text, p(t) = (c_t + 1) / (N + V)
+  (add-one smoothing over the vocabulary V): the level a model that ignores all context reaches. A real LLM
+  beyond its window breaks *above* it (the PoSE paper's > 10^3 is above a 32k-vocabulary unigram model).
+- `no_context_ppl`: the model's own perplexity when every token sees only BOS, exp(-mean log p(t | BOS)):
+  how much of the model's quality comes from context at all.
+- `sink_share`: the mean attention weight on the first token (over layers, heads and every query after the
+  first). Real LLMs park attention there ("attention sinks"); a model without sinks spreads attention over far
+  keys when its context grows (dilution) instead of breaking down.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+#: Trials of the base model's passkey gate at Lc (the issue's gate: accuracy >= 0.95 over 50 trials).
+GATE_TRIALS, GATE_PASSKEY = 50, 0.95
+
+
+def unigram_ppl(train: np.ndarray, test: np.ndarray, vocab: int) -> float:
+    """exp(-mean over test tokens of log (c_t + 1) / (N + V)), c_t the count of t in `train`, N = len(train)."""
+    train, test = np.asarray(train), np.asarray(test)
+    if test.size == 0:
+        raise ValueError("no test tokens")
+    if train.size and (train.min() < 0 or train.max() >= vocab) or test.min() < 0 or test.max() >= vocab:
+        raise ValueError(f"token ids must be in [0, {vocab})")
+    counts = np.bincount(train, minlength=vocab).astype(np.float64)
+    logp = np.log(counts + 1) - math.log(train.size + vocab)
+    return float(np.exp(-logp[test].mean()))
+
+
+def no_context_ppl(model, test: np.ndarray, bos: int) -> float:
+    """exp(-mean over test tokens of log p(t | BOS)): one forward pass of [BOS] scores every token."""
+    import mlx.core as mx
+
+    test = np.asarray(test)
+    if test.size == 0:
+        raise ValueError("no test tokens")
+    logits = model(mx.array([[bos]]))[0, -1].astype(mx.float32)
+    logp = np.array(logits - mx.logsumexp(logits))
+    return float(np.exp(-logp[test].mean()))
+
+
+def attention_weights(attn, x, mask):
+    """softmax(q k^T * scale + mask) of an mlx-lm llama-style attention module on its input `x` (B, L, D):
+    (B, heads, L, L), keys repeated for grouped queries."""
+    import mlx.core as mx
+
+    b, n, _ = x.shape
+    q = attn.q_proj(x).reshape(b, n, attn.n_heads, -1).transpose(0, 2, 1, 3)
+    k = attn.k_proj(x).reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    q, k = attn.rope(q), attn.rope(k)
+    k = mx.repeat(k, attn.n_heads // attn.n_kv_heads, axis=1)
+    return mx.softmax((q * attn.scale) @ k.transpose(0, 1, 3, 2) + mask, axis=-1)
+
+
+def causal_mask(n: int):
+    import mlx.core as mx
+
+    return mx.triu(mx.full((n, n), -mx.inf, dtype=mx.float32), k=1)
+
+
+def sink_share(model, tokens: np.ndarray) -> float:
+    """Mean attention weight on position 0 over layers, heads and queries 1..L-1 of one sequence.
+
+    For mlx-lm llama-style models (`model.model.layers[i].self_attn` with q_proj, k_proj, rope, n_heads,
+    n_kv_heads, scale); the layers are run one by one so that each one's attention weights can be formed."""
+    import mlx.core as mx
+
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 1 or tokens.size < 2:
+        raise ValueError("sink_share needs one sequence of at least 2 tokens")
+    mask = causal_mask(tokens.size)
+    h = model.model.embed_tokens(mx.array(tokens[None]))
+    shares = []
+    for layer in model.model.layers:
+        weights = attention_weights(layer.self_attn, layer.input_layernorm(h), mask)
+        shares.append(weights[:, :, 1:, 0].mean())
+        h = layer(h, mask.astype(h.dtype))
+    return float(mx.stack(shares).mean())
+
+
+def measure(model_dir: Path, train_dir: Path, test_dir: Path, cache: Path, window: int, seed: int,
+            passkey_json: Path) -> dict:
+    """The gates of the pre-trained model: unigram and no-context perplexity of the test documents' text (BOS
+    left out), the sink share over each test document's first Lc tokens, and passkey accuracy at Lc over
+    GATE_TRIALS trials (None when the prompt template does not fit Lc)."""
+    from mlx_lm import load
+
+    from ..training.data import tokenize_corpus
+    from .grid import evaluate_passkey, passkey_template_tokens
+
+    model, tokenizer = load(str(model_dir))
+    bos = tokenizer.bos_token_id
+    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    train = tokenize_corpus(train_dir, tokenizer, cache, window, progress=False)
+    test = tokenize_corpus(test_dir, tokenizer, cache, window, progress=False)
+    docs = [np.asarray(test.doc(i)) for i in range(test.num_docs)]
+    text = np.concatenate([d[d != bos] for d in docs])
+    record = {"unigram_ppl": unigram_ppl(np.asarray(train.tokens), text, vocab),
+              "no_context_ppl": no_context_ppl(model, text, bos),
+              "sink_share": float(np.mean([sink_share(model, np.append(bos, d[d != bos][: window - 1]))
+                                           for d in docs])),
+              "passkey_at_lc": None, "passkey_trials": GATE_TRIALS, "passkey_threshold": GATE_PASSKEY}
+    if passkey_template_tokens(tokenizer) <= window:
+        evaluate_passkey(Path(model_dir), [window], GATE_TRIALS, seed, passkey_json)
+        record["passkey_at_lc"] = json.loads(Path(passkey_json).read_text())["accuracy"][0]["accuracy"]
+    return record
+
+
+__all__ = ["measure", "attention_weights", "causal_mask", "no_context_ppl", "sink_share", "unigram_ppl"]
