@@ -14,7 +14,7 @@ from pose_mlx.training.data import TokenizedCorpus
 from pose_mlx.sim import __main__ as sim
 from pose_mlx.sim import claims
 from pose_mlx.sim.config import matched_base, parse_config
-from pose_mlx.sim.corpus import passkey_documents, split_documents
+from pose_mlx.sim.corpus import split_documents
 from pose_mlx.sim.pretrain import block_corpus
 from pose_mlx.sim.stages import Stages
 
@@ -90,21 +90,6 @@ def test_quick_rerun_resumes_from_cache(quick, capsys):
     assert after["runs"] == before["runs"] and after["claims"] == before["claims"]
 
 
-def test_passkey_documents_hold_prompt_and_answer_in_the_first_window(quick):
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(quick / "corpus" / "tokenizer" / "tokenizer.json"))
-    window = 320
-    docs = passkey_documents(tokenizer, 20, window, seed=1)
-    assert len(docs) == 20
-    for doc in docs:
-        key = re.search(r"The pass key is (\d{5})\.", doc).group(1)
-        answer_end = doc.index(f"The pass key is {key}.", doc.index("What is the pass key?")) + len(key) + 17
-        assert len(tokenizer.encode(doc[:answer_end], add_special_tokens=False)) + 1 <= window  # + BOS
-        assert len(tokenizer.encode(doc, add_special_tokens=False)) + 2 >= window  # fills a whole block
-    assert passkey_documents(tokenizer, 5, 16, seed=0) == []  # template does not fit: no passkey data
-
-
 def test_split_documents_by_length_and_seed():
     texts = ["x" * n for n in (5, 50, 7, 40, 3, 9, 8, 6, 4, 2, 1, 30)]
     parts = split_documents(texts, test_docs=3, val_fraction=0.2, seed=0)
@@ -144,8 +129,8 @@ def test_config_base_matches_llama2_ratio_and_validates():
     config = parse_config([])
     assert (config.window, config.target, config.base, config.window_batch) == (128, 1024, 312.5, 32)
     assert parse_config(["--quick"]).out == "out/sim-quick"
-    with pytest.raises(ValueError, match="--passkey-fraction"):
-        parse_config(["--passkey-fraction", "1"])
+    with pytest.raises(ValueError, match="--retrieval-fraction"):
+        parse_config(["--retrieval-fraction", "1"])
     with pytest.raises(ValueError, match="--test-tokens"):
         parse_config(["--test-tokens", "1000"])
 

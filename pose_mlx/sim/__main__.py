@@ -79,7 +79,7 @@ def main(argv=None) -> int:
 
     def do_pretrain():
         pretrain(model, data / "tokenizer", data / "train", data / "val", cache,
-                 passkey_fraction=config.passkey_fraction, window=config.window, base=config.base,
+                 retrieval_fraction=config.retrieval_fraction, window=config.window, base=config.base,
                  hidden=config.hidden, layers=config.layers, heads=config.heads, ffn=config.ffn,
                  steps=config.pretrain_steps, batch=config.pretrain_batch, lr=config.pretrain_lr, seed=config.seed)
 

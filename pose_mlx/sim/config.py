@@ -34,7 +34,7 @@ class SimConfig:
     pretrain_steps: int = 2000
     pretrain_batch: int = 32
     pretrain_lr: float = 1e-3
-    passkey_fraction: float = 0.05  # fraction of pre-training sequences that are synthetic passkey prompts
+    retrieval_fraction: float = 0.3  # share of pre-training sequences that are synthetic retrieval documents
     steps: int = 150  # fine-tuning updates per grid run
     full_batch: int = 4  # full-length sequences per update; window methods use full_batch * Lt / Lc
     lr: float = 2e-4
@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
         "ffn": "feed-forward (SwiGLU) width",
         "pretrain_steps": "pre-training updates", "pretrain_batch": "Lc-token sequences per pre-training update",
         "pretrain_lr": "peak pre-training learning rate",
-        "passkey_fraction": "share of pre-training sequences that are synthetic passkey prompts (within Lc)",
+        "retrieval_fraction": "share of pre-training sequences that are synthetic retrieval documents (needles, "
+                              "lookup tables, repeated runs; never the passkey test's wording)",
         "steps": "fine-tuning updates of every grid run",
         "full_batch": "full-length sequences per update; window methods use full_batch * Lt / Lc so that "
                       "every grid run trains on the same number of tokens (cost runs: full_batch for both)",
@@ -139,8 +140,8 @@ def parse_config(argv=None) -> SimConfig:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(config, name)}")
     if config.factor < 2:
         raise ValueError(f"--factor must be >= 2, got {config.factor}")
-    if not 0 <= config.passkey_fraction < 1:
-        raise ValueError(f"--passkey-fraction must be in [0, 1), got {config.passkey_fraction}")
+    if not 0 <= config.retrieval_fraction < 1:
+        raise ValueError(f"--retrieval-fraction must be in [0, 1), got {config.retrieval_fraction}")
     if config.test_tokens < config.target:
         raise ValueError(f"--test-tokens ({config.test_tokens}) must be >= the target {config.target}")
     return config

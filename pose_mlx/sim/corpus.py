@@ -1,13 +1,12 @@
-"""The simulator's corpus: documents split by file into train / val / test, a tokenizer, passkey prompts.
+"""The simulator's corpus: documents split by file into train / val / test, and a tokenizer.
 
 - Test documents are the `test_docs` longest documents, each cut to its first `test_tokens` tokens; every one
   must reach `test_tokens` (>= the largest target), else ValueError. The rest is split at random (seeded) by
   document: a `val_fraction` share (at least one) is validation, the remainder training data.
-- The tokenizer (`tokenizer` arguments: a `tokenizers.Tokenizer` or a transformers / mlx-lm tokenizer) is `pose_mlx.toy.train_tokenizer` on the training split.
-- Synthetic passkey documents (for pre-training only, never for fine-tuning or evaluation): the evaluation's
-  own prompt (`pose_mlx.passkey.prompt_text`, random filler count and depth, 5-digit key) followed by the
-  answer " K." and trailing filler, sized so that the first `window` tokens (BOS included) hold the whole
-  prompt and answer.
+- The tokenizer (`tokenizer` arguments: a `tokenizers.Tokenizer` or a transformers / mlx-lm tokenizer) is
+  `pose_mlx.toy.train_tokenizer` on the training split.
+- `write_jsonl`: documents as a .jsonl file, the format `pose_mlx.training.data` reads (the synthetic retrieval
+  documents of `pose_mlx.sim.retrieval` join the pre-training data this way).
 """
 
 from __future__ import annotations
@@ -86,33 +85,7 @@ def build_corpus(folder: Path, source: str | None, max_chars: int | None, test_d
     return info
 
 
-def passkey_documents(tokenizer, count: int, window: int, seed: int) -> list[str]:
-    """`count` passkey prompts with answers whose first `window` tokens (with BOS) hold prompt and answer.
-
-    Empty when even the prompt with no filler does not fit `window` (then no passkey data is mixed in)."""
-    from ..passkey import FILLER, prompt_text
-
-    def size(text: str) -> int:
-        return len(tokenizer.encode(text, add_special_tokens=False))
-
-    def document(n: int, depth: float, key: int) -> str:
-        return prompt_text(n, depth, key) + f" {key}."
-
-    if count <= 0 or size(document(0, 0.5, 99_999)) + 1 > window:
-        return []
-    n_max = 0
-    while max(size(document(n_max + 1, d, 99_999)) for d in (0.0, 0.5, 1.0)) + 3 <= window:
-        n_max += 1
-    tail = " ".join(FILLER[i % len(FILLER)] for i in range(window))  # >= window tokens: the doc fills a block
-    rng = np.random.default_rng(seed)
-    docs = []
-    for _ in range(count):
-        n, depth, key = int(rng.integers(0, n_max + 1)), float(rng.uniform()), int(rng.integers(10_000, 100_000))
-        docs.append(document(n, depth, key) + "\n" + tail)
-    return docs
-
-
-def write_passkey_file(path: Path, texts: list[str]) -> Path:
+def write_jsonl(path: Path, texts: list[str]) -> Path:
     """One .jsonl document per line (field 'text'), the format `pose_mlx.training.data` reads."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))

@@ -5,9 +5,10 @@ The model is a random mlx-lm llama (`pose_mlx.toy`), patched with `pose_mlx.exte
 contiguous positions 0..Lc-1. Documents are cut into consecutive blocks of Lc tokens, each BOS + Lc - 1 tokens
 of text (`block_corpus`), one block per "document" of the data stream (its 'contiguous' method takes a
 document's prefix, so every part of a file is trainable); each example is one block drawn at random. With
-`passkey_fraction` f > 0, K = f / (1 - f) x (text blocks) synthetic passkey prompts (`corpus.passkey_documents`,
-one block each) join them, so a share f of the sequences drawn are passkey prompts with their answer (none when
-the prompt template does not fit Lc). Checkpoints live in `<folder>.partial/`, so an interrupted pre-training
+`retrieval_fraction` f > 0, K = f / (1 - f) x (text blocks) synthetic retrieval documents
+(`pose_mlx.sim.retrieval`: needles, lookup tables, repeated runs; never the passkey test's wording; one block each)
+join them, so a share f of the sequences drawn are retrieval tasks with their answers (none when Lc cannot hold
+one). Checkpoints live in `<folder>.partial/`, so an interrupted pre-training
 resumes; the finished model is written to `<folder>`.
 """
 
@@ -23,7 +24,8 @@ import numpy as np
 
 from .. import toy
 from ..training.data import ExampleStream, TokenizedCorpus, tokenize_corpus
-from .corpus import passkey_documents, write_passkey_file
+from .corpus import write_jsonl
+from .retrieval import retrieval_documents
 
 
 def block_corpus(corpora: list[TokenizedCorpus], window: int, max_blocks: list[int | None] | None = None,
@@ -63,7 +65,7 @@ def block_corpus(corpora: list[TokenizedCorpus], window: int, max_blocks: list[i
 
 
 def pretrain(folder: Path, tokenizer_dir: Path, train_dir: Path, val_dir: Path, cache_dir: Path, *,
-             passkey_fraction: float, window: int, base: float, hidden: int, layers: int, heads: int, ffn: int,
+             retrieval_fraction: float, window: int, base: float, hidden: int, layers: int, heads: int, ffn: int,
              steps: int, batch: int, lr: float, seed: int, progress: bool = False) -> dict:
     """Pre-train and write the model folder `folder` (loads with mlx_lm.load); returns pretrain.json's record."""
     import mlx.core as mx
@@ -86,13 +88,13 @@ def pretrain(folder: Path, tokenizer_dir: Path, train_dir: Path, val_dir: Path, 
     text = tokenize_corpus(train_dir, tokenizer, cache_dir, window, progress=progress)
     bos = tokenizer.bos_token_id
     text_blocks = block_corpus([text], window, bos=bos).num_docs
-    # K passkey blocks among text_blocks + K: a passkey_fraction share of the sequences drawn
-    count = round(passkey_fraction / (1 - passkey_fraction) * text_blocks)
-    passkey_texts = passkey_documents(tokenizer, count, window, seed)
+    # K retrieval blocks among text_blocks + K: a retrieval_fraction share of the sequences drawn
+    count = round(retrieval_fraction / (1 - retrieval_fraction) * text_blocks)
+    retrieval_texts = retrieval_documents(tokenizer, count, window, seed)
     sources = [text]
-    if passkey_texts:
-        passkey_file = write_passkey_file(partial / "passkey.jsonl", passkey_texts)
-        sources.append(tokenize_corpus(passkey_file, tokenizer, cache_dir, window, progress=progress))
+    if retrieval_texts:
+        retrieval_file = write_jsonl(partial / "retrieval.jsonl", retrieval_texts)
+        sources.append(tokenize_corpus(retrieval_file, tokenizer, cache_dir, window, progress=progress))
     blocks = block_corpus(sources, window, [None, 1][: len(sources)], bos=bos)
     pad = tokenizer.eos_token_id or 0
     stream = ExampleStream(blocks, window, window, sampler="contiguous", batch_size=batch, seed=seed, pad_id=pad)
@@ -108,7 +110,7 @@ def pretrain(folder: Path, tokenizer_dir: Path, train_dir: Path, val_dir: Path, 
     log = [json.loads(line) for line in (partial / "log.jsonl").read_text().splitlines() if line.strip()]
     record = {"steps": steps, "batch": batch, "window": window, "lr": lr, "rope_base": base,
               "train_tokens": int(sum(r["tokens"] for r in log)), "blocks": blocks.num_docs,
-              "passkey_blocks": blocks.num_docs - text_blocks, "final_loss": last["loss"], "val_loss": val_loss,
+              "retrieval_blocks": blocks.num_docs - text_blocks, "final_loss": last["loss"], "val_loss": val_loss,
               "val_ppl": float(np.exp(val_loss)), "seconds": float(sum(r["seconds"] for r in log)),
               "parameters": int(sum(v.size for _, v in tree_flatten(model.parameters())))}
     mx.eval(model.parameters())

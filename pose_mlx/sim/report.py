@@ -125,8 +125,8 @@ def write_report(results: dict, folder: Path, pngs: list[Path]) -> Path:
         f"Model: llama, hidden {c['hidden']}, {c['layers']} layers, {c['heads']} heads, FFN {c['ffn']}, vocabulary "
         f"{c['vocab']}, {pre['parameters']:,} parameters, RoPE base {c['base']:.4g} (Lc / (2 pi base) = "
         f"{c['window'] / (6.283185307 * c['base']):.4f}, Llama-2: 0.0652). Pre-trained at Lc = {c['window']} on "
-        f"{pre['train_tokens']:,} tokens ({pre['steps']} steps, {pre['passkey_blocks']} of {pre['blocks']} blocks "
-        f"are synthetic passkey prompts); validation perplexity {pre['val_ppl']:.2f}.", "",
+        f"{pre['train_tokens']:,} tokens ({pre['steps']} steps, {pre['retrieval_blocks']} of {pre['blocks']} blocks "
+        f"are synthetic retrieval documents); validation perplexity {pre['val_ppl']:.2f}.", "",
         f"Grid: target Lt = {c['target']} ({c['factor']}x); every run is `pose_mlx.finetune --full` with "
         f"{c['steps']} updates of {c['full_batch']} x {c['target']} (full-length) or {c['window_batch']} x "
         f"{c['window']} tokens (other methods), lr {c['lr']:g}. Corpus: {results['corpus']['source']} "
