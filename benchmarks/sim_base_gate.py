@@ -1,6 +1,9 @@
 """Does the simulator's base model pass its gates? Pre-train it at one size (the simulator's own corpus,
 `pose_mlx.sim.pretrain` with its retrieval documents, BOS per block) and measure `pose_mlx.sim.gates`: passkey
-accuracy at Lc over 50 trials (the gate: >= 0.95), unigram and no-context perplexity, attention-sink share.
+accuracy at Lc over 50 trials (the gate: >= 0.95), unigram and no-context perplexity, attention-sink share; and,
+to tell the test's layout from its words, the passkey prompt at Lc with "pass key" replaced by other names
+(NAMES, 20 trials each, greedy): a model that retrieves for every name but "pass key" has learned the lookup but
+not to override what its corpus says follows "key".
 
     python benchmarks/sim_base_gate.py --layers 6 --hidden 160 --heads 5 --ffn 432 --steps 2500
 
@@ -18,6 +21,44 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS_DIR, write_results  # noqa: E402
+
+
+NAMES = ("pass key", "secret number", "inverse", "long shortstring")
+
+
+def renamed_passkey(model_dir: Path, window: int, trials: int = 20, seed: int = 0) -> dict:
+    """{name: accuracy} of the passkey prompt (`pose_mlx.passkey.prompt_text`, filler to fill `window` tokens)
+    with "pass key" replaced by each name; the answer must start with the key."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm import load
+
+    from pose_mlx import passkey
+
+    model, tokenizer = load(str(model_dir))
+    bos = tokenizer.bos_token_id
+
+    def prompt(n, depth, key, name):
+        return [bos] + tokenizer.encode(passkey.prompt_text(n, depth, key).replace("pass key", name),
+                                        add_special_tokens=False)
+
+    def answer(ids):
+        out = []
+        for _ in range(7):
+            out.append(int(mx.argmax(model(mx.array([ids + out]))[0, -1])))
+        return tokenizer.decode(out)
+
+    rng, scores = np.random.default_rng(seed), {}
+    for name in NAMES:
+        correct = 0
+        for _ in range(trials):
+            key, depth = int(rng.integers(10_000, 100_000)), float(rng.uniform())
+            n = 0
+            while len(prompt(n + 1, depth, key, name)) + 7 <= window:
+                n += 1
+            correct += answer(prompt(n, depth, key, name)).strip().startswith(str(key))
+        scores[name] = correct / trials
+    return scores
 
 
 def main(argv=None) -> int:
@@ -50,10 +91,11 @@ def main(argv=None) -> int:
                  batch=defaults.pretrain_batch, lr=defaults.pretrain_lr, seed=defaults.seed)
     record = gates.measure(model, data / "train", data / "test", work / "cache", defaults.window, defaults.seed,
                            work / f"{name}.passkey.json")
-    record.update(settings=vars(args), pretrain=json.loads((model / "pretrain.json").read_text()),
+    record.update(renamed_passkey=renamed_passkey(model, defaults.window), settings=vars(args), pretrain=json.loads((model / "pretrain.json").read_text()),
                   wall_seconds=time.time() - t0)
     path = write_results(name, record, RESULTS_DIR / "sim_base" / f"{name}.json")
-    print(json.dumps({k: record[k] for k in ("passkey_at_lc", "sink_share", "unigram_ppl", "no_context_ppl")}))
+    print(json.dumps({k: record[k] for k in ("passkey_at_lc", "sink_share", "unigram_ppl", "no_context_ppl",
+                                             "renamed_passkey")}))
     print(f"wrote {path}")
     return 0
 
