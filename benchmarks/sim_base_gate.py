@@ -75,13 +75,15 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=defaults.pretrain_steps, help="pre-training updates")
     p.add_argument("--retrieval-fraction", type=float, default=defaults.retrieval_fraction,
                    help="share of sequences that are retrieval documents")
+    p.add_argument("--prose", default="none", help="the simulator's --prose (default none: the stdlib sources "
+                   "only, as the committed results were measured)")
     p.add_argument("--work", default="out/sim-base", help="cache folder: corpus, models")
     args = p.parse_args(argv)
     work, t0 = Path(args.work), time.time()
     data = work / "corpus"
     if not (data / "corpus.json").is_file():
         corpus.build_corpus(data, None, None, defaults.test_docs, defaults.test_tokens, defaults.val_fraction,
-                            defaults.vocab, defaults.seed)
+                            defaults.vocab, defaults.seed, corpus.resolve_prose(args.prose, None))
     name = f"{args.layers}x{args.hidden}-{args.steps}-r{args.retrieval_fraction:g}"
     model = work / name
     if not (model / "pretrain.json").is_file():

@@ -6,6 +6,7 @@ Runtime: ~15-25 s on 2 cores (the --quick pipeline twice: once fresh, once fully
 import io
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -33,6 +34,12 @@ def test_quick_writes_report_results_and_plots(quick):
         assert (quick / f"{png}.png").stat().st_size > 1000
         assert f"({png}.png)" in report
     assert "## Claims" in report and "## The base model" in report
+    from pose_mlx.sim.corpus import DEFAULT_PROSE
+
+    if DEFAULT_PROSE.is_dir():  # installed by .ci/run: the default corpus mixes the reST prose in
+        assert results["corpus"]["prose"] == str(DEFAULT_PROSE)
+        assert any(".. " in (quick / "corpus" / "train" / f).read_text()[:20000]
+                   for f in sorted(p.name for p in (quick / "corpus" / "train").iterdir()))
     gates = results["gates"]
     assert gates["passkey_at_lc"] is None and "not testable" in report
     # a trained model is better than its own no-context guess, which is close to the text's unigram model
@@ -129,6 +136,13 @@ def test_config_base_matches_llama2_ratio_and_validates():
     config = parse_config([])
     assert (config.window, config.target, config.base, config.window_batch) == (128, 1024, 312.5, 32)
     assert parse_config(["--quick"]).out == "out/sim-quick"
+    with pytest.raises(ValueError, match="--prose"):
+        parse_config(["--prose", "/no/such/folder"])
+    from pose_mlx.sim.corpus import DEFAULT_PROSE, resolve_prose
+
+    assert resolve_prose("none", None) is None and resolve_prose("auto", "/some/corpus") is None
+    assert resolve_prose("auto", None) == (DEFAULT_PROSE if DEFAULT_PROSE.is_dir() else None)
+    assert resolve_prose("/x/docs", None) == Path("/x/docs")
     with pytest.raises(ValueError, match="--retrieval-fraction"):
         parse_config(["--retrieval-fraction", "1"])
     with pytest.raises(ValueError, match="--test-tokens"):

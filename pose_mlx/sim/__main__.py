@@ -73,7 +73,7 @@ def main(argv=None) -> int:
 
     stages.run("corpus", lambda: (data / "corpus.json").is_file(), lambda: corpus_mod.build_corpus(
         data, config.corpus, config.corpus_chars, config.test_docs, config.test_tokens, config.val_fraction,
-        config.vocab, config.seed))
+        config.vocab, config.seed, corpus_mod.resolve_prose(config.prose, config.corpus)))
     tokenizer = corpus_mod._hf_tokenizer(data / "tokenizer")
     model = out / "pretrained"
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 from dataclasses import asdict, dataclass, fields
 
 #: Llama-2's ratio of pre-training window to longest RoPE wavelength, 4096 / (2 pi 10^4).
@@ -19,7 +20,8 @@ def matched_base(window: int) -> float:
 class SimConfig:
     out: str = "out/sim"
     corpus: str | None = None  # folder of text; None: the interpreter's standard library
-    corpus_chars: int | None = None  # stop reading the corpus after this many characters
+    prose: str = "auto"  # English prose added to the corpus: auto (Debian's python3.11-doc if installed), none, DIR
+    corpus_chars: int | None = None  # stop reading the corpus (and the prose) after this many characters
     test_docs: int = 6
     test_tokens: int = 8192  # each test document is cut to its first this many tokens
     val_fraction: float = 0.02
@@ -90,7 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     helps = {
         "out": "working folder: every stage's output and cache, report.md, results.json, PNGs",
         "corpus": "folder of text files (default: this interpreter's standard-library sources)",
-        "corpus_chars": "stop reading the corpus after this many characters (default: read it all)",
+        "prose": "folder of English text added to the corpus; 'auto' (default): Debian's python3.11-doc reST sources "
+                 "when installed and no --corpus is given; 'none': leave it out",
+        "corpus_chars": "stop reading the corpus, and the prose, after this many characters each (default: read "
+                        "them all)",
         "test_docs": "held-out test documents: the longest documents of the corpus",
         "test_tokens": "each test document is cut to its first this many tokens (>= the target)",
         "val_fraction": "share of the other documents held out for the pre-training validation loss",
@@ -115,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "run on Original, PoSE + linear and PoSE + YaRN",
         "seed": "seed of the corpus split, initialisation, data sampling and passkey keys",
     }
-    extra = {"corpus": "", "corpus_chars": "", "rope_base": ""}  # their help states the default
+    extra = {"corpus": "", "prose": "", "corpus_chars": "", "rope_base": ""}  # their help states the default
     for f in fields(SimConfig):
         kind = {"int": int, "float": float}.get(str(f.type), str)
         if f.name in ("corpus_chars", "rope_base"):
@@ -142,6 +147,8 @@ def parse_config(argv=None) -> SimConfig:
         raise ValueError(f"--factor must be >= 2, got {config.factor}")
     if not 0 <= config.retrieval_fraction < 1:
         raise ValueError(f"--retrieval-fraction must be in [0, 1), got {config.retrieval_fraction}")
+    if config.prose not in ("auto", "none") and not Path(config.prose).is_dir():
+        raise ValueError(f"--prose {config.prose}: not a folder (or use auto / none)")
     if config.test_tokens < config.target:
         raise ValueError(f"--test-tokens ({config.test_tokens}) must be >= the target {config.target}")
     return config

@@ -54,19 +54,36 @@ def cut_to_tokens(tokenizer, text: str, n: int) -> str | None:
     return text[: encoding.offsets[n - 1][1]]
 
 
+#: English prose mixed into the default corpus where it is installed: Debian's python3.11-doc reST sources.
+DEFAULT_PROSE = Path("/usr/share/doc/python3.11/html/_sources")
+
+
+def resolve_prose(prose: str, corpus: str | None) -> Path | None:
+    """--prose: 'auto' (DEFAULT_PROSE when it exists and no --corpus is given), 'none', or a folder."""
+    if prose == "none" or (prose == "auto" and (corpus is not None or not DEFAULT_PROSE.is_dir())):
+        return None
+    return DEFAULT_PROSE if prose == "auto" else Path(prose)
+
+
+def _read(source, max_chars: int | None) -> list[str]:
+    texts, total = [], 0
+    for text in read_documents(source):
+        texts.append(text)
+        total += len(text)
+        if max_chars is not None and total >= max_chars:
+            break
+    return texts
+
+
 def build_corpus(folder: Path, source: str | None, max_chars: int | None, test_docs: int, test_tokens: int,
-                 val_fraction: float, vocab: int, seed: int) -> dict:
-    """Write folder/{train,val,test}/*.txt and folder/tokenizer/; returns (and writes) folder/corpus.json."""
+                 val_fraction: float, vocab: int, seed: int, prose: Path | None = None) -> dict:
+    """Write folder/{train,val,test}/*.txt and folder/tokenizer/; returns (and writes) folder/corpus.json.
+    `source` None: the standard library's sources; `prose`: a folder of text added to them (`max_chars` applies to
+    each of the two)."""
     folder = Path(folder)
-    if source is None:
-        texts = toy.stdlib_texts(max_chars=max_chars)
-    else:
-        texts, total = [], 0
-        for text in read_documents(source):
-            texts.append(text)
-            total += len(text)
-            if max_chars is not None and total >= max_chars:
-                break
+    texts = toy.stdlib_texts(max_chars=max_chars) if source is None else _read(source, max_chars)
+    if prose is not None:
+        texts += _read(prose, max_chars)
     splits = split_documents(texts, test_docs, val_fraction, seed)
     toy.train_tokenizer(splits["train"], folder / "tokenizer", vocab)
     tokenizer = _hf_tokenizer(folder / "tokenizer")
@@ -78,7 +95,7 @@ def build_corpus(folder: Path, source: str | None, max_chars: int | None, test_d
     _write(folder / "train", splits["train"])
     _write(folder / "val", splits["val"])
     _write(folder / "test", test)
-    info = {"source": source or "stdlib", "documents": {k: len(v) for k, v in splits.items()},
+    info = {"source": source or "stdlib", "prose": None if prose is None else str(prose), "documents": {k: len(v) for k, v in splits.items()},
             "characters": {k: sum(map(len, v)) for k, v in splits.items()}, "test_tokens": test_tokens,
             "vocab": vocab}
     (folder / "corpus.json").write_text(json.dumps(info, indent=1) + "\n")
