@@ -33,10 +33,10 @@ class SimConfig:
     layers: int = 4
     heads: int = 4
     ffn: int = 320
-    pretrain_steps: int = 2000
+    pretrain_steps: int = 3000
     pretrain_batch: int = 32
     pretrain_lr: float = 1e-3
-    retrieval_fraction: float = 0.3  # share of pre-training sequences that are synthetic retrieval documents
+    retrieval_fraction: float = 0.5  # share of pre-training sequences that are synthetic retrieval documents
     steps: int = 150  # fine-tuning updates per grid run
     full_batch: int = 4  # full-length sequences per update; window methods use full_batch * Lt / Lc
     lr: float = 2e-4
