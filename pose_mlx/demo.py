@@ -1,13 +1,16 @@
 """Offline end-to-end demo: extend the simulator's pre-trained model 8x with PoSE and measure what changed.
 
 The base model ships with the package (`pose_mlx/sim/pretrained/`): the small llama that `python -m pose_mlx.sim`
-pre-trained from scratch at Lc = 128 tokens on this project's default corpus (see its `pretrain.json`). Steps, all
-through the real commands (no special cases):
-  1. corpus: the running interpreter's standard-library .py files, the longest few held out as test documents;
+pre-trained from scratch at Lc = 128 tokens on this project's default corpus (see its `pretrain.json`); it
+retrieves a passkey inside its window. Steps, all through the real commands (no special cases):
+  1. corpus: the running interpreter's standard-library .py files, the longest few held out as test documents,
+     plus a share of synthetic retrieval documents of Lc tokens (`pose_mlx.sim.finetune_data`), so that
+     fine-tuning keeps the retrieval skill;
   2. `pose_mlx.finetune --full --sampler pose --target 8x`: PoSE fine-tuning on Lc-token windows with position ids < 8 Lc
      (linear schedule, full fine-tuning);
   3. `pose_mlx.perplexity` of the original model (no change), the model with PI only (schedule, no training) and
-     the PoSE model at Lc, 2 Lc, 4 Lc, 8 Lc on the test documents.
+     the PoSE model at Lc, 2 Lc, 4 Lc, 8 Lc on the test documents;
+  4. `pose_mlx.passkey` of the original and the PoSE model at the same lengths.
 The simulator's report (benchmarks/results/sim/report.md) has the paper's whole grid; this is its main line in
 a few minutes.
 """
@@ -20,7 +23,7 @@ import math
 import sys
 from pathlib import Path
 
-from . import finetune, perplexity, toy
+from . import finetune, passkey, perplexity, toy
 from .errors import ArgumentParser, UserError, command
 
 PRETRAINED = Path(__file__).resolve().parent / "sim" / "pretrained"
@@ -52,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=2e-4, help="peak learning rate (default 2e-4, as the simulator)")
     p.add_argument("--test-docs", type=int, default=4, help="held-out test documents (default 4)")
     p.add_argument("--train-docs", type=int, default=None, help="training documents (default: all the others)")
+    p.add_argument("--retrieval", type=float, default=0.1,
+                   help="share of the fine-tuning documents that are synthetic retrieval documents (default 0.1)")
+    p.add_argument("--passkey-trials", type=int, default=10, help="passkey trials per length (default 10)")
     return p
 
 
@@ -61,12 +67,15 @@ def _window(model: Path) -> int:
 
 
 def _check(args) -> None:
-    for name, low in (("factor", 2), ("steps", 1), ("batch_size", 1), ("test_docs", 1), ("train_docs", 1)):
+    for name, low in (("factor", 2), ("steps", 1), ("batch_size", 1), ("test_docs", 1), ("train_docs", 1),
+                      ("passkey_trials", 1)):
         value = getattr(args, name)
         if value is not None and value < low:
             raise UserError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise UserError(f"--lr must be a finite number > 0, got {args.lr}")
+    if not 0 <= args.retrieval < 1:
+        raise UserError(f"--retrieval must be in [0, 1), got {args.retrieval}")
     if not (Path(args.model) / "config.json").is_file():
         raise UserError(f"--model {args.model} has no config.json")
 
@@ -78,9 +87,15 @@ def main(argv=None) -> int:
     out, model = Path(args.out), Path(args.model)
     window = _window(model)
     target = window * args.factor
-    print(f"[1/3] corpus: standard-library sources -> {out / 'corpus'}")
+    print(f"[1/4] corpus: standard-library sources and {args.retrieval:g} retrieval documents -> {out / 'corpus'}")
     train, test = write_corpus(out / "corpus", args.test_docs, args.train_docs, min_chars=2000)
-    print(f"[2/3] PoSE fine-tuning of {model} from {window} to {target} tokens ({args.factor}x) -> {out / 'pose'}")
+    from mlx_lm.utils import load_tokenizer
+
+    from .sim import finetune_data
+
+    train = finetune_data.build(out / "corpus" / "finetune", train, load_tokenizer(model), out / "cache", window,
+                                args.retrieval, seed=0)
+    print(f"[2/4] PoSE fine-tuning of {model} from {window} to {target} tokens ({args.factor}x) -> {out / 'pose'}")
     code = finetune.main([
         "--model", str(model), "--target", f"{args.factor}x", "--data", str(train), "--full", "--lr", str(args.lr),
         "--steps", str(args.steps), "--warmup", str(max(1, args.steps // 10)), "--batch-size", str(args.batch_size),
@@ -88,7 +103,7 @@ def main(argv=None) -> int:
     ])
     if code:
         return code
-    print("[3/3] sliding-window perplexity on the held-out documents")
+    print("[3/4] sliding-window perplexity on the held-out documents")
     lengths = ",".join(str(window * 2**k) for k in range(args.factor.bit_length()))
     common = ["--data", str(test), "--lengths", lengths, "--docs", str(args.test_docs), "--stride", str(window),
               "--no-progress"]
@@ -107,8 +122,22 @@ def main(argv=None) -> int:
     print(f"{'model':<24}" + "".join(f"{n:>10}" for n in header))
     for name, row in results.items():
         print(f"{name:<24}" + "".join(f"{row[n]:>10.2f}" for n in header))
+    print(f"[4/4] passkey retrieval, {args.passkey_trials} trials per length")
+    accuracy = {}
+    for name, extra in (("original", ["--model", str(model), "--schedule", "none", "--target", str(target)]),
+                        ("PoSE + PI", ["--model", str(out / "pose")])):
+        path = out / f"passkey-{name.split()[0].lower()}.json"
+        code = passkey.main(extra + ["--lengths", lengths, "--trials", str(args.passkey_trials),
+                             "--no-progress", "--output", str(path)])
+        if code:
+            return code
+        accuracy[name] = {a["length"]: a["accuracy"] for a in json.loads(path.read_text())["accuracy"]}
+    print("\npasskey accuracy by length:")
+    print(f"{'model':<24}" + "".join(f"{n:>10}" for n in header))
+    for name, row in accuracy.items():
+        print(f"{name:<24}" + "".join(f"{row[n]:>10.2f}" if n in row else f"{'-':>10}" for n in header))
     print(f"\nextended model: {out / 'pose'} (loads with mlx_lm.load or pose_mlx.load); "
-          f"check retrieval with: python -m pose_mlx.passkey --model {out / 'pose'}")
+          f"more trials: python -m pose_mlx.passkey --model {out / 'pose'} --trials 50")
     return 0
 
 

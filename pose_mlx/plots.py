@@ -49,7 +49,12 @@ def line_vs_length(
         ax.yaxis.set_minor_formatter(plain)
     if ylim:
         ax.set_ylim(*ylim)
-    ax.set_xlabel("context length (tokens)")
+    return _finish(plt, fig, ax, path, "context length (tokens)", ylabel, title)
+
+
+def _finish(plt, fig, ax, path, xlabel: str, ylabel: str, title: str) -> Path:
+    """Labels, grid, the legend right of the axes (never over the data); saved as PNG."""
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
@@ -57,6 +62,25 @@ def line_vs_length(
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return Path(path)
+
+
+def curves(
+    path: str | Path,
+    series: dict[str, tuple[Sequence[float], Sequence[float]]],
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    mark: int | None = None,
+) -> Path:
+    """One line per entry of `series` (label -> (x, y)) on linear axes, saved as PNG; `mark` and the legend as in
+    `line_vs_length`."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for label, (x, y) in series.items():
+        ax.plot(x, y, label=label)
+    if mark:
+        ax.axvline(mark, color="gray", linestyle="--", linewidth=1, label="original window")
+    return _finish(plt, fig, ax, path, xlabel, ylabel, title)
 
 
 def heatmap(

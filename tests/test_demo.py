@@ -12,6 +12,7 @@ def test_shipped_model_is_the_simulators_pretrained_llama():
     assert config["max_position_embeddings"] == record["window"] == 128
     assert config["rope_theta"] == record["rope_base"]
     assert (demo.PRETRAINED / "model.safetensors").stat().st_size > 1_000_000
+    assert record["retrieval_blocks"] > 0  # the second protocol's base: retrieval documents in pre-training
 
 
 def test_demo_extends_and_evaluates(tmp_path, capsys):
@@ -29,4 +30,10 @@ def test_demo_extends_and_evaluates(tmp_path, capsys):
         ppl[name] = [r["ppl"] for r in results]
     # the shipped model is pre-trained: far below the ~2048 of a uniform guess over its vocabulary at Lc
     assert ppl["original"][0] < 50
-    assert "perplexity by evaluation length" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "perplexity by evaluation length" in out and "passkey accuracy by length" in out
+    assert (tmp_path / "corpus" / "finetune" / "retrieval.jsonl").stat().st_size > 0
+    base = json.loads((tmp_path / "passkey-original.json").read_text())["accuracy"]
+    assert [a["length"] for a in base] == [128, 256, 512, 1024]
+    assert base[0]["accuracy"] >= 0.9  # the shipped base retrieves inside its window (1.00 over 50 trials)
+    assert (tmp_path / "passkey-pose.json").is_file()

@@ -23,7 +23,7 @@ from pose_mlx.sim.stages import Stages
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("sim")
-    assert sim.main(["--quick", "--out", str(out)]) == 0
+    assert sim.main(["--quick", "--prose", "auto", "--out", str(out)]) == 0
     return out
 
 
@@ -36,7 +36,7 @@ def test_quick_writes_report_results_and_plots(quick):
     assert "## Claims" in report and "## The base model" in report
     from pose_mlx.sim.corpus import DEFAULT_PROSE
 
-    if DEFAULT_PROSE.is_dir():  # installed by .ci/run: the default corpus mixes the reST prose in
+    if DEFAULT_PROSE.is_dir():  # installed by .ci/run: --prose auto mixes the reST prose in
         assert results["corpus"]["prose"] == str(DEFAULT_PROSE)
         assert any(".. " in (quick / "corpus" / "train" / f).read_text()[:20000]
                    for f in sorted(p.name for p in (quick / "corpus" / "train").iterdir()))
@@ -88,9 +88,38 @@ def test_quick_numbers_come_from_the_evaluators_and_finetune(quick):
             assert row["tokens_per_step"] == c["full_batch"] * (length(int(target)) - 1)
 
 
+def test_quick_seeds_intervals_and_position_curves(quick):
+    results = json.loads((quick / "results.json").read_text())
+    c = results["config"]
+    assert c["seeds"] == [0, 1]
+    expected = {"original", "randpos-linear", "pose-linear-n1", "pose-linear-n3"} | {
+        f"{m}-{s}" for m in ("only", "pose", "full") for s in ("linear", "ntk", "yarn")}
+    assert expected <= set(results["runs"]) and set(results["ppl"]) == set(results["runs"])
+    assert results["passkey"] == {n: r["passkey"] for n, r in results["runs"].items() if r["passkey"]}
+    for name, table in results["ppl"].items():
+        for length, row in table.items():
+            assert row["values"][0] == results["runs"][name]["ppl"][length]  # seed 0 is the run's own number
+            if name in sim.SEEDED:  # the second seed's own evaluation, and the t interval over the two
+                own = json.loads((quick / "eval" / f"{name}.s1.ppl.json").read_text())["results"]
+                assert row["values"][1] == {str(r["length"]): r["ppl"] for r in own}[length]
+                assert row["mean"] == pytest.approx(sum(row["values"]) / 2)
+                assert row["ci95"] == pytest.approx(12.706 * abs(row["values"][0] - row["values"][1]) / 2)
+            else:
+                assert row["values"] == [row["mean"]] and row["ci95"] is None
+    # every method's fine-tuning data: the training files and its retrieval documents
+    nll = results["nll_by_position"]
+    assert set(nll) == set(results["runs"])
+    for curve in nll.values():
+        assert curve["positions"][0] == 1 and len(curve["positions"]) == len(curve["nll"]) == c["target"] // (
+            c["window"] // 4)
+        assert curve["windows"] >= 1 and all(np.isfinite(curve["nll"]))
+    assert (quick / "nll_by_position.png").stat().st_size > 1000
+    assert "(nll_by_position.png)" in (quick / "report.md").read_text()
+
+
 def test_quick_rerun_resumes_from_cache(quick, capsys):
     before = json.loads((quick / "results.json").read_text())
-    assert sim.main(["--quick", "--out", str(quick)]) == 0
+    assert sim.main(["--quick", "--prose", "auto", "--out", str(quick)]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
     assert lines and all(line.endswith(": cached") for line in lines)
     after = json.loads((quick / "results.json").read_text())
@@ -136,6 +165,7 @@ def test_config_base_matches_llama2_ratio_and_validates():
     config = parse_config([])
     assert (config.window, config.target, config.base, config.window_batch) == (128, 1024, 312.5, 32)
     assert parse_config(["--quick"]).out == "out/sim-quick"
+    assert parse_config([]).prose == "none"  # with the prose the default base fails its passkey gate
     with pytest.raises(ValueError, match="--prose"):
         parse_config(["--prose", "/no/such/folder"])
     from pose_mlx.sim.corpus import DEFAULT_PROSE, resolve_prose

@@ -9,14 +9,47 @@ import time
 from pathlib import Path
 
 from . import corpus as corpus_mod
-from . import gates
-from .claims import check_claims
+from . import finetune_data, gates, position_nll
+from .claims import check_claims, seed_statistics
 from .config import SimConfig, parse_config
 from .grid import (RULER_RUNS, RULER_TASKS, Run, collect, evaluate_passkey, evaluate_perplexity, evaluate_ruler,
                    finetune_args, grid_runs, passkey_template_tokens, ruler_lengths, run_finetune)
 from .pretrain import pretrain
 from .report import plots, write_report
 from .stages import Stages
+from ..training.data import required_length
+
+#: Runs trained with every seed of --seeds (claim b compares them); the others use --seed only.
+SEEDED = tuple(f"{m}-{s}" for m in ("pose", "full") for s in ("linear", "ntk", "yarn"))
+
+
+def _example_length(config: SimConfig, run: Run) -> int | None:
+    """Document tokens one example of `run` needs (None: no training)."""
+    if run.sampler == "none":
+        return None
+    return required_length(config.window, (run.factor or config.factor) * config.window, run.sampler, run.content)
+
+
+def _seed_name(name: str, seed: int, config: SimConfig) -> str:
+    return name if seed == config.seed else f"{name}.s{seed}"
+
+
+def nll_bin(config: SimConfig) -> int:
+    """Positions per bin of the per-position NLL curves: Lc / 4 (4 bins inside the pre-training window)."""
+    return max(1, config.window // 4)
+
+
+def _test_documents(data: Path, model: Path, cache: Path, window: int) -> list:
+    """The test documents' token ids, BOS left out (as the corpus stage cut them)."""
+    import numpy as np
+    from mlx_lm.utils import load_tokenizer
+
+    from ..training.data import tokenize_corpus
+
+    tokenizer = load_tokenizer(model)
+    test = tokenize_corpus(data / "test", tokenizer, cache, window, progress=False)
+    bos = tokenizer.bos_token_id
+    return [np.asarray(d)[np.asarray(d) != bos] for d in (test.doc(i) for i in range(test.num_docs))]
 
 
 def _weights(config: SimConfig, runs: list[Run]) -> dict[str, float]:
@@ -24,17 +57,30 @@ def _weights(config: SimConfig, runs: list[Run]) -> dict[str, float]:
     w = {"corpus": 0.02 * config.pretrain_steps * config.pretrain_batch * config.window + 1,
          "pretrain": config.pretrain_steps * config.pretrain_batch * config.window,
          "gates": config.test_docs * config.test_tokens / 3 + gates.GATE_TRIALS * config.window}
-    for run in runs:
+    for length in sorted({_example_length(config, r) for r in runs if not r.cost_only} - {None}):
+        w[f"finetune data {length}"] = 0.02 * config.pretrain_steps * config.pretrain_batch * config.window + 1
+    # in the order main runs them: every run with --seed, the RULER subset, then the other seeds' runs
+    seeded = [(r, config.seed) for r in runs] + [None] + [(r, s) for s in config.seed_list[1:] for r in runs
+                                                          if r.name in SEEDED]
+    for item in seeded:
+        if item is None:
+            for name in RULER_RUNS:  # prompts of every length, answers of up to 128 tokens, each a forward pass
+                w[f"ruler {name}"] = (len(RULER_TASKS) * config.ruler_samples
+                                      * sum(n + 128 * n / 4 for n in config.lengths))
+            continue
+        run, seed = item
+        name = _seed_name(run.name, seed, config)
         steps = 0 if run.sampler == "none" else config.cost_steps if run.cost_only else config.steps
         factor = run.factor or config.factor
         tokens = config.full_batch * config.window * (1 if run.cost_only and run.sampler == "pose" else factor)
         attention = 2.6 if run.sampler == "full" else 1.0  # attention over Lt tokens (measured: 2.6x at 8x)
-        w[f"finetune {run.name}"] = steps * tokens * attention + 1
+        w[f"finetune {name}"] = steps * tokens * attention + 1
         if not run.cost_only:
             windows = sum(n / min(config.eval_stride, n - 1) for n in config.lengths)  # tokens per scored token
-            w[f"evaluate {run.name}"] = config.test_docs * config.test_tokens * windows / 3 + 1
-    for name in RULER_RUNS:  # prompts of every length, answers of up to 128 tokens, each a forward pass
-        w[f"ruler {name}"] = len(RULER_TASKS) * config.ruler_samples * sum(n + 128 * n / 4 for n in config.lengths)
+            w[f"evaluate {name}"] = config.eval_docs * config.test_tokens * windows / 3 + 1
+    for run in runs:
+        if not run.cost_only:
+            w[f"nll {run.name}"] = config.test_docs * config.test_tokens / 3 + 1
     return w
 
 
@@ -56,6 +102,38 @@ def _ruler(stages: Stages, config: SimConfig, folder: Path, stem: Path) -> dict:
     stages.run(f"ruler {folder.name}", lambda: all(p.is_file() for p in outputs.values()), do_ruler)
     return {task: {str(r["length"]): r["score"] for r in json.loads(p.read_text())["results"]}
             for task, p in outputs.items()}
+
+
+def _finetune_data(stages: Stages, config: SimConfig, runs: list[Run], out: Path, model: Path,
+                   cache: Path) -> dict[int, Path]:
+    """{example length: data folder}: the training split plus retrieval documents of that length
+    (`pose_mlx.sim.finetune_data`), one folder per example length a grid run needs."""
+    from mlx_lm.utils import load_tokenizer
+
+    folders = {}
+    for length in sorted({_example_length(config, r) for r in runs if not r.cost_only} - {None}):
+        folder = folders[length] = out / "finetune-data" / str(length)
+        stages.run(f"finetune data {length}", lambda: (folder / finetune_data.RETRIEVAL_FILE).is_file(),
+                   lambda: finetune_data.build(folder, out / "corpus" / "train", load_tokenizer(model), cache,
+                                               length, config.finetune_retrieval, config.seed))
+    return folders
+
+
+def _position_curves(stages: Stages, config: SimConfig, runs: list[Run], out: Path, model: Path,
+                     cache: Path) -> dict:
+    """{run: per-position NLL curve at Lt} (`pose_mlx.sim.position_nll`) of every evaluated run."""
+    curves, docs = {}, []
+    for run in (r for r in runs if not r.cost_only):
+        output = out / "eval" / f"{run.name}.nll.json"
+
+        def measure(run=run, output=output):
+            if not docs:
+                docs.extend(_test_documents(out / "corpus", model, cache, config.window))
+            position_nll.measure(out / "runs" / run.name, docs, config.target, nll_bin(config), output)
+
+        stages.run(f"nll {run.name}", output.is_file, measure)
+        curves[run.name] = json.loads(output.read_text())
+    return curves
 
 
 def main(argv=None) -> int:
@@ -102,25 +180,35 @@ def main(argv=None) -> int:
                "gates": base_gates, "unigram_ppl": base_gates["unigram_ppl"],
                "no_context_ppl": base_gates["no_context_ppl"],
                "runs": {}, "cost_vs_target": {"pose": {}, "full": {}}}
-    for run in runs:
-        folder = out / "runs" / run.name
-        args = finetune_args(run, model, data / "train", cache, folder, window=config.window, factor=config.factor,
+    data_folders = _finetune_data(stages, config, runs, out, model, cache)
+    results["finetune_data"] = {str(n): {"retrieval_documents": sum(1 for line in (
+        f / finetune_data.RETRIEVAL_FILE).read_text().splitlines() if line.strip()), "share": config.finetune_retrieval}
+        for n, f in data_folders.items()}
+
+    def train_and_evaluate(run: Run, seed: int) -> dict:
+        name = _seed_name(run.name, seed, config)
+        folder = out / "runs" / name
+        train = data / "train" if run.cost_only else data_folders.get(_example_length(config, run), data / "train")
+        args = finetune_args(run, model, train, cache, folder, window=config.window, factor=config.factor,
                              steps=config.steps, cost_steps=config.cost_steps, full_batch=config.full_batch,
-                             lr=config.lr, seed=config.seed)
-        stages.run(f"finetune {run.name}", lambda: (folder / "config.json").is_file(), lambda: run_finetune(args))
-        ppl_json = passkey_json = None
-        if not run.cost_only:
-            ppl_json, passkey_json = out / "eval" / f"{run.name}.ppl.json", out / "eval" / f"{run.name}.passkey.json"
+                             lr=config.lr, seed=seed)
+        stages.run(f"finetune {name}", lambda: (folder / "config.json").is_file(), lambda: run_finetune(args))
+        if run.cost_only:
+            return collect(run, folder, None, None)
+        ppl_json, passkey_json = out / "eval" / f"{name}.ppl.json", out / "eval" / f"{name}.passkey.json"
+        keys = passkey_lengths if seed == config.seed else []  # extra seeds: perplexity only
 
-            def do_eval():
-                evaluate_perplexity(folder, data / "test", config.lengths, config.test_docs, config.eval_stride,
-                                    ppl_json)
-                if passkey_lengths:
-                    evaluate_passkey(folder, passkey_lengths, config.passkey_trials, config.seed, passkey_json)
+        def do_eval():
+            evaluate_perplexity(folder, data / "test", config.lengths, config.eval_docs, config.eval_stride,
+                                ppl_json)
+            if keys:
+                evaluate_passkey(folder, keys, config.passkey_trials, config.seed, passkey_json)
 
-            stages.run(f"evaluate {run.name}", lambda: ppl_json.is_file() and (
-                not passkey_lengths or passkey_json.is_file()), do_eval)
-        entry = collect(run, folder, ppl_json, passkey_json)
+        stages.run(f"evaluate {name}", lambda: ppl_json.is_file() and (not keys or passkey_json.is_file()), do_eval)
+        return collect(run, folder, ppl_json, passkey_json if keys else None)
+
+    for run in runs:
+        entry = train_and_evaluate(run, config.seed)
         if not run.cost_only:
             results["runs"][run.name] = entry
         else:
@@ -129,6 +217,13 @@ def main(argv=None) -> int:
     results["ruler"] = {}
     for name in (n for n in RULER_RUNS if n in results["runs"]):
         results["ruler"][name] = _ruler(stages, config, out / "runs" / name, out / "eval" / f"{name}.ruler")
+    seeded = {run.name: {config.seed: results["runs"][run.name]["ppl"]} for run in runs if run.name in SEEDED}
+    for seed in config.seed_list[1:]:
+        for run in (r for r in runs if r.name in SEEDED):
+            seeded[run.name][seed] = train_and_evaluate(run, seed)["ppl"]
+    results["ppl"] = seed_statistics(results["runs"], seeded)
+    results["passkey"] = {name: entry["passkey"] for name, entry in results["runs"].items() if entry["passkey"]}
+    results["nll_by_position"] = _position_curves(stages, config, runs, out, model, cache)
     results["claims"] = check_claims(results)
     results["wall_seconds"] = time.perf_counter() - t0
     pngs = plots(results, out)

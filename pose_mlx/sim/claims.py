@@ -17,8 +17,44 @@ CLOSE = 0.10  # (f) "Full ~ PoSE": within 10%
 MUCH = 1.5  # (f) ">>": Original ppl >= 1.5 x schedule-only ppl
 
 
+#: Student's t quantile t_{0.975, df} for df = 1 .. 10 (two-sided 95% intervals of a mean over few seeds).
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
+
+
+def mean_ci95(values: list[float]) -> tuple[float, float | None]:
+    """(mean, half-width of its 95% interval t_{0.975, n-1} s / sqrt(n)); None for one value. n > 11: t ~ 1.96."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, None
+    sd = (sum((v - mean) ** 2 for v in values) / (n - 1)) ** 0.5
+    return mean, (T975[n - 2] if n <= 11 else 1.96) * sd / n ** 0.5
+
+
+def seed_statistics(runs: dict, seeded: dict) -> dict:
+    """results.json's `ppl[run][length] = {"mean", "ci95", "values"}`: over seeds for the runs in `seeded`
+    ({run: {seed: {length: ppl}}}), the one value of every other run (ci95 None)."""
+    table = {}
+    for name, entry in runs.items():
+        per_seed = seeded.get(name) or {0: entry["ppl"]}
+        table[name] = {}
+        for length in entry["ppl"]:
+            values = [ppl[length] for ppl in per_seed.values() if length in ppl]
+            mean, ci = mean_ci95(values)
+            table[name][length] = {"mean": mean, "ci95": ci, "values": values}
+    return table
+
+
 def _ppl(results: dict, run: str, length: int):
+    """Perplexity of `run` at `length`: the mean over seeds (results['ppl']) when present, else the run's own."""
+    if "ppl" in results:
+        return results["ppl"].get(run, {}).get(str(length), {}).get("mean")
     return results["runs"].get(run, {}).get("ppl", {}).get(str(length))
+
+
+def _ci(results: dict, run: str, length: int) -> str:
+    ci = results.get("ppl", {}).get(run, {}).get(str(length), {}).get("ci95")
+    return "" if ci is None else f" +- {ci:.2g}"
 
 
 def _fmt(x) -> str:
@@ -53,7 +89,10 @@ def claim_b(results: dict, lengths: list[int]) -> dict:
     if any(None in p for p in pairs.values()):
         return _claim("b", text, None, "missing perplexities of a 'pose-*' or 'full-*' run")
     gaps = {k: p / f - 1 for k, (p, f) in pairs.items()}
-    detail = ", ".join(f"{s}@{n}: PoSE {p:.3g} vs Full {f:.3g} ({gaps[s, n]:+.1%})" for (s, n), (p, f) in pairs.items())
+    seeds = results.get("config", {}).get("seeds", [0])
+    detail = (f"mean over seeds {seeds} (95% interval): "
+              + ", ".join(f"{s}@{n}: PoSE {p:.3g}{_ci(results, f'pose-{s}', n)} vs Full {f:.3g}"
+                          f"{_ci(results, f'full-{s}', n)} ({gaps[s, n]:+.1%})" for (s, n), (p, f) in pairs.items()))
     return _claim("b", text, all(abs(g) <= WITHIN for g in gaps.values()), detail)
 
 
@@ -114,7 +153,7 @@ def claim_f(results: dict, lengths: list[int]) -> dict:
     for s in SCHEDULES:
         for n in lengths[1:]:
             full, pose = _ppl(results, f"full-{s}", n), _ppl(results, f"pose-{s}", n)
-            only, orig = _ppl(results, f"{s}-only", n), _ppl(results, "original", n)
+            only, orig = _ppl(results, f"only-{s}", n), _ppl(results, "original", n)
             if None in (full, pose, only, orig):
                 return _claim("f", text, None, f"missing perplexities for schedule {s} at {n}")
             ok = abs(pose / full - 1) <= CLOSE and max(full, pose) < only and orig >= MUCH * only

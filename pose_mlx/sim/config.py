@@ -20,10 +20,11 @@ def matched_base(window: int) -> float:
 class SimConfig:
     out: str = "out/sim"
     corpus: str | None = None  # folder of text; None: the interpreter's standard library
-    prose: str = "auto"  # English prose added to the corpus: auto (Debian's python3.11-doc if installed), none, DIR
+    prose: str = "none"  # English prose added to the corpus: none, auto (Debian's python3.11-doc if installed), DIR
     corpus_chars: int | None = None  # stop reading the corpus (and the prose) after this many characters
     test_docs: int = 6
     test_tokens: int = 8192  # each test document is cut to its first this many tokens
+    eval_docs: int = 3  # test documents scored by perplexity (sliding windows cost ~ 2 Lt / Lc passes per token)
     val_fraction: float = 0.02
     vocab: int = 2048
     window: int = 128  # Lc
@@ -40,6 +41,8 @@ class SimConfig:
     steps: int = 150  # fine-tuning updates per grid run
     full_batch: int = 4  # full-length sequences per update; window methods use full_batch * Lt / Lc
     lr: float = 2e-4
+    finetune_retrieval: float = 0.1  # share of every method's fine-tuning examples that are retrieval documents
+    seeds: int = 2  # seeds of the PoSE and full-length runs (claim b's intervals); the others run seed only
     cost_steps: int = 20  # updates of each cost run (equal sequences per update, Lt = 2 Lc .. target)
     passkey_trials: int = 20
     ruler_samples: int = 5  # samples per RULER task and length (original, pose-linear, pose-yarn)
@@ -74,10 +77,15 @@ class SimConfig:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "target": self.target, "base": self.base, "lengths": self.lengths,
-                "window_batch": self.window_batch, "eval_stride": self.eval_stride}
+                "window_batch": self.window_batch, "eval_stride": self.eval_stride, "seeds": self.seed_list}
+
+    @property
+    def seed_list(self) -> list[int]:
+        """Seeds of the PoSE and full-length runs: seed, seed + 1, ..."""
+        return [self.seed + k for k in range(self.seeds)]
 
 
-QUICK = dict(corpus_chars=400_000, test_docs=2, test_tokens=512, vocab=512, window=32, hidden=32, layers=2,
+QUICK = dict(corpus_chars=400_000, test_docs=2, eval_docs=2, test_tokens=512, vocab=512, window=32, hidden=32, layers=2,
              heads=2, ffn=64, pretrain_steps=30, pretrain_batch=8, pretrain_lr=3e-3, steps=3, full_batch=1,
              lr=1e-3, cost_steps=2, passkey_trials=2, ruler_samples=1, factor=8)
 
@@ -92,12 +100,16 @@ def build_parser() -> argparse.ArgumentParser:
     helps = {
         "out": "working folder: every stage's output and cache, report.md, results.json, PNGs",
         "corpus": "folder of text files (default: this interpreter's standard-library sources)",
-        "prose": "folder of English text added to the corpus; 'auto' (default): Debian's python3.11-doc reST sources "
-                 "when installed and no --corpus is given; 'none': leave it out",
+        "prose": "folder of English text added to the corpus; 'auto': Debian's python3.11-doc reST sources when "
+                 "installed and no --corpus is given; 'none' (default): leave it out (with the prose, the default "
+                 "base scores 0.28 on the passkey gate instead of 1.00; docs/simulator.md)",
         "corpus_chars": "stop reading the corpus, and the prose, after this many characters each (default: read "
                         "them all)",
         "test_docs": "held-out test documents: the longest documents of the corpus",
         "test_tokens": "each test document is cut to its first this many tokens (>= the target)",
+        "eval_docs": "test documents scored by the sliding-window perplexity (windows Lc / 2 apart: each token "
+                     "is computed about 2 L / Lc times at length L, so this sets most of the run's time); the "
+                     "per-position NLL curves use every test document",
         "val_fraction": "share of the other documents held out for the pre-training validation loss",
         "vocab": "sentencepiece vocabulary size, trained on the training split",
         "window": "pre-training window Lc (tokens)",
@@ -113,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
         "full_batch": "full-length sequences per update; window methods use full_batch * Lt / Lc so that "
                       "every grid run trains on the same number of tokens (cost runs: full_batch for both)",
         "lr": "peak fine-tuning learning rate (full fine-tuning)",
+        "finetune_retrieval": "share of every method's fine-tuning examples that are synthetic retrieval documents "
+                              "of the method's example length (keeps the base's retrieval skill, favours no method)",
+        "seeds": "seeds of the PoSE and full-length runs (seed, seed + 1, ...): their perplexities are reported "
+                 "as mean and 95% interval; the other runs use --seed only",
         "cost_steps": "updates of each cost run: PoSE and full-length at 2x ... the target, full_batch sequences "
                       "per update for both (timed only)",
         "passkey_trials": "passkey trials per evaluation length",
@@ -140,15 +156,19 @@ def parse_config(argv=None) -> SimConfig:
     config = SimConfig(**values)
     for name in ("window", "factor", "vocab", "hidden", "layers", "heads", "ffn", "pretrain_steps",
                  "pretrain_batch", "steps", "full_batch", "cost_steps", "passkey_trials", "ruler_samples",
-                 "test_docs"):
+                 "test_docs", "eval_docs", "seeds"):
         if getattr(config, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(config, name)}")
     if config.factor < 2:
         raise ValueError(f"--factor must be >= 2, got {config.factor}")
     if not 0 <= config.retrieval_fraction < 1:
         raise ValueError(f"--retrieval-fraction must be in [0, 1), got {config.retrieval_fraction}")
+    if not 0 <= config.finetune_retrieval < 1:
+        raise ValueError(f"--finetune-retrieval must be in [0, 1), got {config.finetune_retrieval}")
     if config.prose not in ("auto", "none") and not Path(config.prose).is_dir():
         raise ValueError(f"--prose {config.prose}: not a folder (or use auto / none)")
+    if config.eval_docs > config.test_docs:
+        raise ValueError(f"--eval-docs ({config.eval_docs}) must be <= --test-docs ({config.test_docs})")
     if config.test_tokens < config.target:
         raise ValueError(f"--test-tokens ({config.test_tokens}) must be >= the target {config.target}")
     return config

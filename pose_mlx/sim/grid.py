@@ -42,7 +42,7 @@ def grid_runs(factor: int) -> list[Run]:
     from [0, Lt), sorted: the extreme of the chunk ablation); chunk ablation N in {1, 2, 3}; content ablation
     (uniform / zero / aligned); cost runs at Lt = 2 Lc .. the target."""
     runs = [Run("original", "Original", "none", "none")]
-    runs += [Run(f"{s}-only", f"{'PI' if s == 'linear' else s.upper() if s == 'ntk' else 'YaRN'}-only", "none", s)
+    runs += [Run(f"only-{s}", f"{'PI' if s == 'linear' else s.upper() if s == 'ntk' else 'YaRN'}-only", "none", s)
              for s in ("linear", "ntk", "yarn")]
     for s in ("linear", "ntk", "yarn"):
         runs.append(Run(f"full-{s}", f"Full-length + {s}", "full", s))

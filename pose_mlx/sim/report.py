@@ -5,20 +5,27 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-from ..plots import line_vs_length
+import shutil
+
+from ..plots import curves, line_vs_length
 
 #: (file stem, title, runs) of each perplexity table / figure.
 TABLES = (
     ("ppl_main", "Perplexity of the baselines and PoSE (cf. paper Table 1)",
-     ("original", "linear-only", "full-linear", "randpos-linear", "pose-linear")),
+     ("original", "only-linear", "full-linear", "randpos-linear", "pose-linear")),
     ("ppl_schedules", "PoSE and full-length with each RoPE schedule (cf. paper Table 6)",
-     ("linear-only", "ntk-only", "yarn-only", "full-linear", "full-ntk", "full-yarn", "pose-linear", "pose-ntk",
+     ("only-linear", "only-ntk", "only-yarn", "full-linear", "full-ntk", "full-yarn", "pose-linear", "pose-ntk",
       "pose-yarn")),
     ("ppl_chunks", "Chunk-number ablation N, RandPos as its extreme (cf. paper Table 5)",
      ("pose-linear-n1", "pose-linear", "pose-linear-n3", "randpos-linear")),
     ("ppl_content", "Content offsets v_i ablation (cf. paper Table 4)", ("pose-linear", "pose-linear-zero",
                                                                         "pose-linear-aligned")),
 )
+
+#: Runs drawn in the per-position NLL figure, and whose passkey depth x length heatmaps the report shows.
+NLL_RUNS = ("original", "only-linear", "only-yarn", "full-linear", "pose-linear", "full-yarn", "pose-yarn",
+            "randpos-linear")
+HEATMAP_RUNS = ("original", "only-linear", "pose-linear", "full-linear", "pose-yarn")
 
 
 def _runs(results: dict, names) -> list[str]:
@@ -63,7 +70,7 @@ def plots(results: dict, folder: Path) -> list[Path]:
             out.append(line_vs_length(folder / f"{stem}.png", lengths, series, "perplexity (log scale)",
                                       "\n".join(textwrap.wrap(title, 50)),
                                       log_y=True, mark=window))
-    keys = [n for n in ("original", "linear-only", "full-linear", "randpos-linear", "pose-linear", "pose-yarn")
+    keys = [n for n in ("original", "only-linear", "full-linear", "randpos-linear", "pose-linear", "pose-yarn")
             if results["runs"].get(n, {}).get("passkey")]
     if keys:
         tested = sorted({int(L) for n in keys for L in results["runs"][n]["passkey"]})
@@ -71,6 +78,17 @@ def plots(results: dict, folder: Path) -> list[Path]:
                   for n in keys}
         out.append(line_vs_length(folder / "passkey.png", tested, series, "accuracy",
                                   "Passkey retrieval (cf. paper Figure 2b)", ylim=(-0.05, 1.05), mark=window))
+    nll = results.get("nll_by_position") or {}
+    shown = [n for n in NLL_RUNS if n in nll]
+    if shown:
+        series = {_label(results, n): (nll[n]["positions"], nll[n]["nll"]) for n in shown}
+        out.append(curves(folder / "nll_by_position.png", series, f"position in a window of {results['config']['target']}"
+                          f" tokens (first of a bin of {nll[shown[0]]['bin_width']})", "mean NLL (nats)",
+                          "Per-position NLL on the test documents", mark=window))
+    for name in HEATMAP_RUNS:  # the heatmaps pose_mlx.passkey wrote, next to the report
+        source = folder / "eval" / f"{name}.passkey_heatmap.png"
+        if source.is_file():
+            out.append(Path(shutil.copyfile(source, folder / f"passkey_heatmap_{name}.png")))
     cost = results.get("cost_vs_target", {})
     for key, ylabel in (("seconds_per_step", "seconds per update"), ("peak_memory_gb", "peak memory (GiB)")):
         targets = sorted({int(t) for rows in cost.values() for t in rows})
@@ -115,6 +133,35 @@ def gates_section(results: dict) -> list[str]:
             f"| attention on the first token (mean over layers, heads, queries) | {g['sink_share']:.3f} |", ""]
 
 
+def _finetune_data(results: dict) -> str:
+    data = results.get("finetune_data") or {}
+    if not data:
+        return "no retrieval documents in the fine-tuning data"
+    parts = ", ".join(f"{d['retrieval_documents']} of {n} tokens" for n, d in sorted(data.items(), key=lambda x: int(x[0])))
+    share = next(iter(data.values()))["share"]
+    return (f"a share {share:g} of every method's fine-tuning documents are synthetic retrieval documents of its "
+            f"example length ({parts}; none where the task does not fit)")
+
+
+def seeds_table(results: dict) -> list[str]:
+    """Claim (b)'s numbers: mean and 95% interval over the seeds of the PoSE and full-length runs."""
+    table, lengths = results.get("ppl") or {}, results["config"]["lengths"]
+    names = [n for n in ("full-linear", "pose-linear", "full-ntk", "pose-ntk", "full-yarn", "pose-yarn") if n in table]
+    if not names:
+        return []
+    lines = [f"### Over seeds {results['config'].get('seeds')}", "",
+             "Mean perplexity and half-width of its 95% interval (Student t over the seeds).", "",
+             "| model | " + " | ".join(map(str, lengths)) + " |", "|---|" + "---|" * len(lengths)]
+    for name in names:
+        cells = []
+        for n in lengths:
+            row = table[name].get(str(n))
+            cells.append("-" if row is None else f"{row['mean']:.2f}" + (
+                "" if row["ci95"] is None else f" +- {row['ci95']:.2f}"))
+        lines.append(f"| {_label(results, name)} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def write_report(results: dict, folder: Path, pngs: list[Path]) -> Path:
     c, pre = results["config"], results["pretrain"]
     held = {True: "**held**", False: "**did not hold**", None: "not evaluated"}
@@ -129,7 +176,8 @@ def write_report(results: dict, folder: Path, pngs: list[Path]) -> Path:
         f"are synthetic retrieval documents); validation perplexity {pre['val_ppl']:.2f}.", "",
         f"Grid: target Lt = {c['target']} ({c['factor']}x); every run is `pose_mlx.finetune --full` with "
         f"{c['steps']} updates of {c['full_batch']} x {c['target']} (full-length) or {c['window_batch']} x "
-        f"{c['window']} tokens (other methods), lr {c['lr']:g}. Corpus: {results['corpus']['source']} "
+        f"{c['window']} tokens (other methods), lr {c['lr']:g}; "
+        f"{_finetune_data(results)}. Corpus: {results['corpus']['source']} "
         f"({results['corpus']['documents']}); test = the {c['test_docs']} longest documents, first "
         f"{c['test_tokens']} tokens each.", "",
     ]
@@ -144,11 +192,31 @@ def write_report(results: dict, folder: Path, pngs: list[Path]) -> Path:
         names = _runs(results, names)
         if names:
             parts += [f"### {title}", "", metric_table(results, names, "ppl", ".2f"), "", f"![{stem}]({stem}.png)", ""]
+    parts += seeds_table(results)
+    nll = results.get("nll_by_position") or {}
+    if nll:
+        any_curve = next(iter(nll.values()))
+        parts += ["### Per-position NLL", "", f"Mean NLL of the token at each position of non-overlapping windows of "
+                  f"{c['target']} tokens ({any_curve['windows']} windows of the test documents), in bins of "
+                  f"{any_curve['bin_width']} positions (`pose_mlx.sim.position_nll`). A ratio above 1: the model "
+                  "predicts worse at the end of the window than anywhere within Lc.", "",
+                  "| model | first bin | lowest bin within Lc | last bin | last / lowest within Lc |",
+                  "|---|---|---|---|---|"]
+        inside = max(1, c["window"] // any_curve["bin_width"])
+        for name, curve in nll.items():
+            low = min(curve["nll"][:inside])
+            parts.append(f"| {_label(results, name)} | {curve['nll'][0]:.2f} | {low:.2f} | {curve['nll'][-1]:.2f} | "
+                         f"{curve['nll'][-1] / low:.2f} |")
+        parts += ["", "![nll_by_position](nll_by_position.png)", ""]
     passkey_runs = [n for n, r in results["runs"].items() if r["passkey"]]
     parts += ["## Passkey retrieval", "", f"Accuracy over {c['passkey_trials']} trials per length "
               "(`pose_mlx.passkey`; lengths shorter than the prompt template are not tested).", ""]
     if passkey_runs:
         parts += [metric_table(results, passkey_runs, "passkey", ".2f"), "", "![passkey](passkey.png)", ""]
+    heatmaps = [p for p in pngs if p.stem.startswith("passkey_heatmap_")]
+    if heatmaps:
+        parts += ["Accuracy by needle depth (rows) and length (columns), per run:", ""]
+        parts += [f"![{p.stem}]({p.name})" for p in heatmaps] + [""]
     parts += ruler_section(results)
     parts += ["## Cost", "", "Median seconds per update (first update left out) and peak memory of training, "
               f"with {c['full_batch']} sequences per update for both methods: Lc tokens each for PoSE, Lt for "
