@@ -93,7 +93,7 @@ def _ruler(stages: Stages, config: SimConfig, folder: Path, stem: Path) -> dict:
 
         tokenizer = load_tokenizer(folder)
         for task, output in outputs.items():
-            lengths = ruler_lengths(tokenizer, task, config.lengths)
+            lengths = ruler_lengths(tokenizer, task, config.lengths, config.ruler_samples, config.seed)
             if lengths:
                 evaluate_ruler(folder, task, lengths, config.ruler_samples, config.seed, output)
             else:

@@ -116,14 +116,16 @@ def evaluate_passkey(model: Path, lengths: list[int], trials: int, seed: int, ou
         raise RuntimeError(f"pose_mlx.passkey on {model} failed with exit code {code}")
 
 
-def ruler_lengths(tokenizer, task: str, lengths: list[int]) -> list[int]:
-    """The lengths at which `task`'s template and needles fit (pose_mlx.ruler refuses the others).
-    `tokenizer`: the model's mlx-lm / transformers tokenizer."""
-    builder = PromptBuilder(tokenizer, samples=1, chat=False)
+def ruler_lengths(tokenizer, task: str, lengths: list[int], samples: int = 1, seed: int = 0) -> list[int]:
+    """The lengths at which every one of `task`'s `samples` prompts (with `seed`, as `pose_mlx.ruler` draws them)
+    fits its template and needles (pose_mlx.ruler refuses the others). `tokenizer`: the model's mlx-lm /
+    transformers tokenizer."""
+    builder = PromptBuilder(tokenizer, samples=samples, seed=seed, chat=False)
     fits = []
     for n in lengths:
         try:
-            builder.sample(task, n, 0)
+            for index in range(samples):
+                builder.sample(task, n, index)
         except UserError:
             continue
         fits.append(n)
