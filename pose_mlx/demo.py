@@ -7,8 +7,9 @@ retrieves a passkey inside its window. Steps, all through the real commands (no 
      plus a share of synthetic retrieval documents of Lc tokens (`pose_mlx.sim.finetune_data`), so that
      fine-tuning keeps the retrieval skill;
   2. `pose_mlx.finetune --full --sampler pose --target 8x`: PoSE fine-tuning on Lc-token windows with position ids < 8 Lc
-     (linear schedule, full fine-tuning);
-  3. `pose_mlx.perplexity` of the original model (no change), the model with PI only (schedule, no training) and
+     (YaRN schedule by default: with PI the copy of a passkey does not survive, docs/simulator.md; full
+     fine-tuning);
+  3. `pose_mlx.perplexity` of the original model (no change), the model with the schedule only (no training) and
      the PoSE model at Lc, 2 Lc, 4 Lc, 8 Lc on the test documents;
   4. `pose_mlx.passkey` of the original and the PoSE model at the same lengths.
 The simulator's report (benchmarks/results/sim/report.md) has the paper's whole grid; this is its main line in
@@ -55,8 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=2e-4, help="peak learning rate (default 2e-4, as the simulator)")
     p.add_argument("--test-docs", type=int, default=4, help="held-out test documents (default 4)")
     p.add_argument("--train-docs", type=int, default=None, help="training documents (default: all the others)")
-    p.add_argument("--retrieval", type=float, default=0.1,
-                   help="share of the fine-tuning documents that are synthetic retrieval documents (default 0.1)")
+    p.add_argument("--schedule", default="yarn", help="RoPE schedule of the extension (default yarn; linear = PI)")
+    p.add_argument("--retrieval", type=float, default=0.3,
+                   help="share of the fine-tuning documents that are synthetic retrieval documents (default 0.3)")
     p.add_argument("--passkey-trials", type=int, default=10, help="passkey trials per length (default 10)")
     return p
 
@@ -97,7 +99,8 @@ def main(argv=None) -> int:
                                 args.retrieval, seed=0)
     print(f"[2/4] PoSE fine-tuning of {model} from {window} to {target} tokens ({args.factor}x) -> {out / 'pose'}")
     code = finetune.main([
-        "--model", str(model), "--target", f"{args.factor}x", "--data", str(train), "--full", "--lr", str(args.lr),
+        "--model", str(model), "--target", f"{args.factor}x", "--schedule", args.schedule, "--data", str(train),
+        "--full", "--lr", str(args.lr),
         "--steps", str(args.steps), "--warmup", str(max(1, args.steps // 10)), "--batch-size", str(args.batch_size),
         "--save-every", "0", "--cache-dir", str(out / "cache"), "--output", str(out / "pose"), "--overwrite",
     ])
@@ -108,8 +111,9 @@ def main(argv=None) -> int:
     common = ["--data", str(test), "--lengths", lengths, "--docs", str(args.test_docs), "--stride", str(window),
               "--no-progress"]
     models = {"original": ["--model", str(model)],
-              "PI only (no training)": ["--model", str(model), "--schedule", "linear", "--target", str(target)],
-              "PoSE + PI": ["--model", str(out / "pose")]}
+              f"{args.schedule} only (no training)": ["--model", str(model), "--schedule", args.schedule, "--target",
+                                                      str(target)],
+              f"PoSE + {args.schedule}": ["--model", str(out / "pose")]}
     results = {}
     for name, extra in models.items():
         path = out / f"ppl-{name.split()[0].lower()}.json"
@@ -125,7 +129,7 @@ def main(argv=None) -> int:
     print(f"[4/4] passkey retrieval, {args.passkey_trials} trials per length")
     accuracy = {}
     for name, extra in (("original", ["--model", str(model), "--schedule", "none", "--target", str(target)]),
-                        ("PoSE + PI", ["--model", str(out / "pose")])):
+                        (f"PoSE + {args.schedule}", ["--model", str(out / "pose")])):
         path = out / f"passkey-{name.split()[0].lower()}.json"
         code = passkey.main(extra + ["--lengths", lengths, "--trials", str(args.passkey_trials),
                              "--no-progress", "--output", str(path)])

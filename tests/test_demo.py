@@ -22,9 +22,9 @@ def test_demo_extends_and_evaluates(tmp_path, capsys):
     exported = json.loads((tmp_path / "pose" / "config.json").read_text())
     assert exported["max_position_embeddings"] == 8 * 128
     schedule = json.loads((tmp_path / "pose" / "pose_mlx.json").read_text())["schedule"]
-    assert schedule["schedule"] == "linear" and schedule["target"] == 1024
+    assert schedule["schedule"] == "yarn" and schedule["target"] == 1024
     ppl = {}
-    for name in ("original", "pi", "pose"):
+    for name in ("original", "yarn", "pose"):
         results = json.loads((tmp_path / f"ppl-{name}.json").read_text())["results"]
         assert [r["length"] for r in results] == [128, 256, 512, 1024]
         ppl[name] = [r["ppl"] for r in results]
