@@ -39,19 +39,6 @@ def nll_bin(config: SimConfig) -> int:
     return max(1, config.window // 4)
 
 
-def _test_documents(data: Path, model: Path, cache: Path, window: int) -> list:
-    """The test documents' token ids, BOS left out (as the corpus stage cut them)."""
-    import numpy as np
-    from mlx_lm.utils import load_tokenizer
-
-    from ..training.data import tokenize_corpus
-
-    tokenizer = load_tokenizer(model)
-    test = tokenize_corpus(data / "test", tokenizer, cache, window, progress=False)
-    bos = tokenizer.bos_token_id
-    return [np.asarray(d)[np.asarray(d) != bos] for d in (test.doc(i) for i in range(test.num_docs))]
-
-
 def _weights(config: SimConfig, runs: list[Run]) -> dict[str, float]:
     """Estimated work of each stage in trained-token units (evaluation ~ a third of training per token)."""
     w = {"corpus": 0.02 * config.pretrain_steps * config.pretrain_batch * config.window + 1,
@@ -128,7 +115,10 @@ def _position_curves(stages: Stages, config: SimConfig, runs: list[Run], out: Pa
 
         def measure(run=run, output=output):
             if not docs:
-                docs.extend(_test_documents(out / "corpus", model, cache, config.window))
+                from mlx_lm.utils import load_tokenizer
+
+                docs.extend(gates.test_documents(out / "corpus" / "test", load_tokenizer(model), cache,
+                                                 config.window))
             position_nll.measure(out / "runs" / run.name, docs, config.target, nll_bin(config), output)
 
         stages.run(f"nll {run.name}", output.is_file, measure)

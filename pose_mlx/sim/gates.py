@@ -85,6 +85,15 @@ def sink_share(model, tokens: np.ndarray) -> float:
     return float(mx.stack(shares).mean())
 
 
+def test_documents(test_dir: Path, tokenizer, cache: Path, window: int) -> list[np.ndarray]:
+    """The test documents' token ids (the corpus stage's cut), BOS left out."""
+    from ..training.data import tokenize_corpus
+
+    test = tokenize_corpus(test_dir, tokenizer, cache, window, progress=False)
+    bos = tokenizer.bos_token_id
+    return [d[d != bos] for d in (np.asarray(test.doc(i)) for i in range(test.num_docs))]
+
+
 def measure(model_dir: Path, train_dir: Path, test_dir: Path, cache: Path, window: int, seed: int,
             passkey_json: Path) -> dict:
     """The gates of the pre-trained model: unigram and no-context perplexity of the test documents' text (BOS
@@ -99,13 +108,11 @@ def measure(model_dir: Path, train_dir: Path, test_dir: Path, cache: Path, windo
     bos = tokenizer.bos_token_id
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     train = tokenize_corpus(train_dir, tokenizer, cache, window, progress=False)
-    test = tokenize_corpus(test_dir, tokenizer, cache, window, progress=False)
-    docs = [np.asarray(test.doc(i)) for i in range(test.num_docs)]
-    text = np.concatenate([d[d != bos] for d in docs])
+    docs = test_documents(test_dir, tokenizer, cache, window)
+    text = np.concatenate(docs)
     record = {"unigram_ppl": unigram_ppl(np.asarray(train.tokens), text, vocab),
               "no_context_ppl": no_context_ppl(model, text, bos),
-              "sink_share": float(np.mean([sink_share(model, np.append(bos, d[d != bos][: window - 1]))
-                                           for d in docs])),
+              "sink_share": float(np.mean([sink_share(model, np.append(bos, d[: window - 1])) for d in docs])),
               "passkey_at_lc": None, "passkey_trials": GATE_TRIALS, "passkey_threshold": GATE_PASSKEY}
     if passkey_template_tokens(tokenizer) <= window:
         evaluate_passkey(Path(model_dir), [window], GATE_TRIALS, seed, passkey_json)
@@ -113,4 +120,4 @@ def measure(model_dir: Path, train_dir: Path, test_dir: Path, cache: Path, windo
     return record
 
 
-__all__ = ["measure", "attention_weights", "causal_mask", "no_context_ppl", "sink_share", "unigram_ppl"]
+__all__ = ["measure", "test_documents", "attention_weights", "causal_mask", "no_context_ppl", "sink_share", "unigram_ppl"]
