@@ -13,8 +13,11 @@ short-context regression's question set runs separately (`benchmarks/short_qa.py
 Runs (original window 8192, target 32768, s = 4):
   training-free: `none` (the base model), `linear`, `ntk`, `yarn`, `dynamic` (evaluated with --schedule/--target);
   PoSE: `pose-linear`, `pose-yarn` (LoRA on --window tokens with position ids up to the target).
-Text: Debian's python3.11-doc reST sources (English prose with some code). The --test-docs longest documents are
-held out for perplexity and never trained on.
+Text: Debian's python3.11-doc reST sources (English prose with some code; --docs for a copy elsewhere). The
+--test-docs longest documents are held out for perplexity and never trained on. --results writes another results
+folder (a run on another machine, say, beside this one's).
+
+On a GPU (mlx[cuda]), measured once on an H200: `cuda/cuda.json`, summarised in the report's last section.
 """
 
 from __future__ import annotations
@@ -32,10 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS_DIR, run_metadata, write_results  # noqa: E402
 
 ORIGINAL, TARGET = 8192, 32768
-DOCS = Path("/usr/share/doc/python3.11/html/_sources")
+DOCS = Path("/usr/share/doc/python3.11/html/_sources")  # default --docs
 TRAINING_FREE = ("none", "linear", "ntk", "yarn", "dynamic")
 POSE = ("pose-linear", "pose-yarn")
-OUT = RESULTS_DIR / "real_model"
+OUT = RESULTS_DIR / "real_model"  # default --results
 # Needle tasks only: the base scores <= 0.2 on variable tracking already at 1k (benchmarks/results/ruler_smollm2),
 # so vt cannot show what extension keeps; both needle tasks share the essay haystack (prefix reuse).
 RULER_TASKS = "niah_single_2,niah_multikey_1"
@@ -49,20 +52,20 @@ def model_file() -> Path:
     return Path(out.strip().splitlines()[-1])
 
 
-def corpus(work: Path, test_docs: int) -> tuple[Path, Path]:
-    """train/ and test/ folders of the reST sources: the `test_docs` longest files are the test set."""
+def corpus(work: Path, test_docs: int, docs: Path = DOCS) -> tuple[Path, Path]:
+    """train/ and test/ folders of the reST sources under `docs`: the `test_docs` longest files are the test set."""
     train, test = work / "corpus" / "train", work / "corpus" / "test"
     if (work / "corpus" / "done").is_file():
         return train, test
-    if not DOCS.is_dir():
-        raise SystemExit(f"{DOCS} is missing: install Debian's python3.11-doc (apt-get install python3.11-doc)")
-    files = sorted(DOCS.rglob("*.rst.txt"), key=lambda p: (-p.stat().st_size, str(p)))
+    if not docs.is_dir():
+        raise SystemExit(f"{docs} is missing: install Debian's python3.11-doc (apt-get install python3.11-doc)")
+    files = sorted(docs.rglob("*.rst.txt"), key=lambda p: (-p.stat().st_size, str(p)))
     shutil.rmtree(work / "corpus", ignore_errors=True)
     for folder, chosen in ((test, files[:test_docs]), (train, files[test_docs:])):
         folder.mkdir(parents=True)
         for i, path in enumerate(chosen):
             (folder / f"{i:04d}-{path.name.removesuffix('.rst.txt')}.txt").write_text(path.read_text())
-    (work / "corpus" / "done").write_text("\n".join(str(p.relative_to(DOCS)) for p in files[:test_docs]) + "\n")
+    (work / "corpus" / "done").write_text("\n".join(str(p.relative_to(docs)) for p in files[:test_docs]) + "\n")
     return train, test
 
 
@@ -85,10 +88,10 @@ def model_args(name: str, gguf: Path, work: Path) -> list[str]:
     return args if name == "none" else args + ["--schedule", name, "--target", str(TARGET)]
 
 
-def finetune(name: str, gguf: Path, train: Path, work: Path, args) -> dict:
+def finetune(name: str, gguf: Path, train: Path, work: Path, args, out_dir: Path = OUT) -> dict:
     """LoRA PoSE fine-tuning of one run (resumable); returns its training record."""
     out = work / "runs" / name
-    record_path = OUT / "eval" / f"{name}.train.json"
+    record_path = out_dir / "eval" / f"{name}.train.json"
     if record_path.is_file() and (out / "adapters.safetensors").is_file():
         return json.loads(record_path.read_text())
     partial = out.with_name(out.name + ".partial")
@@ -109,18 +112,18 @@ def finetune(name: str, gguf: Path, train: Path, work: Path, args) -> dict:
               "window": args.window, "lr": args.lr, "lora_rank": args.lora_rank}
     record_path.parent.mkdir(parents=True, exist_ok=True)
     record_path.write_text(json.dumps(record, indent=1) + "\n")
-    adapters = OUT / "adapters" / name
+    adapters = out_dir / "adapters" / name
     adapters.mkdir(parents=True, exist_ok=True)
     for f in ("adapters.safetensors", "adapter_config.json", "pose_mlx.json", "config.json"):
         shutil.copyfile(out / f, adapters / f)
     return record
 
 
-def passkey(name: str, gguf: Path, work: Path, trials: dict) -> dict:
+def passkey(name: str, gguf: Path, work: Path, trials: dict, out_dir: Path = OUT) -> dict:
     """Accuracy per length (one cached JSON per length: a 32k trial takes minutes)."""
     accuracy = {}
     for length, n in trials.items():
-        path = OUT / "eval" / f"{name}.passkey.{length}.json"
+        path = out_dir / "eval" / f"{name}.passkey.{length}.json"
         if not path.is_file():
             run(["pose_mlx.passkey", *model_args(name, gguf, work), "--lengths", str(length), "--trials", str(n),
                  "--depths", str(n), "--seed", "0", "--output", str(path), "--no-progress"],
@@ -129,14 +132,14 @@ def passkey(name: str, gguf: Path, work: Path, trials: dict) -> dict:
     return accuracy
 
 
-def perplexity(name: str, gguf: Path, test: Path, work: Path, args) -> dict:
+def perplexity(name: str, gguf: Path, test: Path, work: Path, args, out_dir: Path = OUT) -> dict:
     """Sliding-window perplexity (stride half the window) at the --ppl-lengths on the same first 16k tokens
     (`--truncate`) of --ppl-docs test documents, and one 32k window per document on --ppl-docs-32k documents."""
     out = {}
     plans = [(length, length // 2, args.ppl_docs, max(args.ppl_lengths)) for length in args.ppl_lengths]
     plans.append((TARGET, TARGET, args.ppl_docs_32k, TARGET))
     for length, stride, docs, span in plans:
-        path = OUT / "eval" / f"{name}.ppl.{length}.json"
+        path = out_dir / "eval" / f"{name}.ppl.{length}.json"
         if not path.is_file():
             run(["pose_mlx.perplexity", *model_args(name, gguf, work), "--data", str(test), "--lengths",
                  str(length), "--stride", str(stride), "--docs", str(docs), "--min-doc-tokens", str(span - 1),
@@ -147,9 +150,9 @@ def perplexity(name: str, gguf: Path, test: Path, work: Path, args) -> dict:
     return out
 
 
-def ruler(name: str, gguf: Path, work: Path, lengths: list[int], samples: int) -> dict:
+def ruler(name: str, gguf: Path, work: Path, lengths: list[int], samples: int, out_dir: Path = OUT) -> dict:
     """RULER scores (a subset of tasks) per length."""
-    path = OUT / "eval" / f"{name}.ruler.json"
+    path = out_dir / "eval" / f"{name}.ruler.json"
     if not path.is_file():
         run(["pose_mlx.ruler", *model_args(name, gguf, work), "--lengths", ",".join(map(str, lengths)),
              "--tasks", RULER_TASKS, "--samples", str(samples), "--seed", "0", "--output", str(path),
@@ -166,25 +169,25 @@ def ruler_summary(path: Path) -> dict:
             "samples": record.get("samples")}
 
 
-def collect_cached(results: dict) -> None:
+def collect_cached(results: dict, out_dir: Path = OUT) -> None:
     """Every evaluation already cached in eval/ into results.json's runs (passkey accuracy and trials per length,
     perplexity per length, RULER), so the report shows a benchmark that ran in parts as far as it got."""
     for name in (*TRAINING_FREE, *POSE):
         entry = {}
-        for path in sorted((OUT / "eval").glob(f"{name}.passkey.*.json")):
+        for path in sorted((out_dir / "eval").glob(f"{name}.passkey.*.json")):
             row = json.loads(path.read_text())["accuracy"][0]
             entry.setdefault("passkey", {})[str(row["length"])] = row["accuracy"]
             entry.setdefault("passkey_trials", {})[str(row["length"])] = row["trials"]
             entry.setdefault("passkey_depths", {})[str(row["length"])] = {
                 f"{t['depth']:.2f}": t["correct"] for t in json.loads(path.read_text())["trials"]}
-        for path in sorted((OUT / "eval").glob(f"{name}.ppl.*.json")):
+        for path in sorted((out_dir / "eval").glob(f"{name}.ppl.*.json")):
             row = json.loads(path.read_text())["results"][0]
             entry.setdefault("ppl", {})[str(row["length"])] = row["ppl"]
-        if (OUT / "eval" / f"{name}.short_qa.json").is_file():
-            qa = json.loads((OUT / "eval" / f"{name}.short_qa.json").read_text())
+        if (out_dir / "eval" / f"{name}.short_qa.json").is_file():
+            qa = json.loads((out_dir / "eval" / f"{name}.short_qa.json").read_text())
             entry["short_qa"] = {"correct": qa["correct"], "questions": qa["questions"], "accuracy": qa["accuracy"]}
-        if (OUT / "eval" / f"{name}.ruler.json").is_file():
-            entry["ruler"] = ruler_summary(OUT / "eval" / f"{name}.ruler.json")
+        if (out_dir / "eval" / f"{name}.ruler.json").is_file():
+            entry["ruler"] = ruler_summary(out_dir / "eval" / f"{name}.ruler.json")
         if not entry:
             continue
         run = results["runs"].setdefault(name, {"trained": name in POSE, "schedule": name.removeprefix("pose-")})
@@ -202,7 +205,7 @@ def best_training_free(results: dict) -> str | None:
                                        -item[1].get("ppl", {}).get(str(TARGET), float("inf"))))[0]
 
 
-def plots(results: dict) -> list[Path]:
+def plots(results: dict, out_dir: Path = OUT) -> list[Path]:
     from pose_mlx.plots import line_vs_length
 
     written = []
@@ -214,13 +217,13 @@ def plots(results: dict) -> list[Path]:
         lengths = sorted({int(n) for r in runs.values() for n in r.get(key, {})})
         series = {name: [r[key].get(str(n), float("nan")) for n in lengths] for name, r in runs.items() if r.get(key)}
         if series:
-            written.append(line_vs_length(OUT / f"{key}.png", lengths, series, ylabel, title, log_y=log_y,
+            written.append(line_vs_length(out_dir / f"{key}.png", lengths, series, ylabel, title, log_y=log_y,
                                           ylim=ylim, mark=ORIGINAL))
     averages = {name: {a["length"]: a["score"] for a in r["ruler"].get("averages") or []}
                 for name, r in runs.items() if r.get("ruler")}
     lengths = sorted({n for a in averages.values() for n in a})
     if lengths:
-        written.append(line_vs_length(OUT / "ruler.png", lengths,
+        written.append(line_vs_length(out_dir / "ruler.png", lengths,
                                       {name: [a.get(n, float("nan")) for n in lengths] for name, a in averages.items()},
                                       "average score", f"RULER ({RULER_TASKS}), SmolLM2-135M 8k -> 32k",
                                       ylim=(-0.05, 1.05), mark=ORIGINAL))
@@ -269,7 +272,30 @@ def goals(results: dict) -> list[dict]:
     return out
 
 
-def report(results: dict) -> Path:
+def gpu_section(path: Path) -> list[str]:
+    """The report's lines for a run of the benchmark's stages on a GPU (`cuda/cuda.json`, written by hand from the
+    device's output: the device tool cannot keep a whole benchmark's state), or none."""
+    if not path.is_file():
+        return []
+    cuda = json.loads(path.read_text())
+    train, passkey = cuda["pose_yarn_training"], cuda["passkey_yarn"]
+    steady = sum(train["seconds_per_step"][2:]) / len(train["seconds_per_step"][2:])
+    lines = ["## On a GPU (`cuda/`)", "", f"{cuda['what']}. Device: {cuda['device']}; MLX {cuda['software']['mlx']} "
+             f"with mlx-cuda; {cuda['weights']}.", "",
+             "| measurement | GPU | this CPU |", "|---|---|---|"]
+    for length, row in passkey.items():
+        if length.isdigit():
+            lines.append(f"| yarn passkey at {length} ({row['trials']} trials) | {row['cuda']:.2f} | {row['cpu']:.2f} "
+                         f"({'the same answer in every trial' if row['same_answers'] else 'different answers'}) |")
+    lines += [f"| PoSE + YaRN LoRA step, {train['window']} tokens, steady | {steady:.2f} s | "
+              f"{train['cpu_seconds_per_step']:.1f} s |",
+              f"| first step (kernels compiled at first use) | {train['seconds_per_step'][0]:.1f} s | - |",
+              f"| peak memory of training | {train['peak_memory_gb']:.2f} GB | - |", "",
+              train["first_use"] + ".", "", *[f"- {note}" for note in cuda["notes"]], ""]
+    return lines
+
+
+def report(results: dict, out_dir: Path = OUT) -> Path:
     runs = results["runs"]
     lines = ["# SmolLM2-135M-Instruct, 8k -> 32k: PoSE against training-free scaling", "",
              f"Model: `{results['model']}` (original window {ORIGINAL}, target {TARGET}). Command: "
@@ -333,7 +359,7 @@ def report(results: dict) -> Path:
             held = {True: "yes", False: "**no**", None: "not measured yet"}[c["held"]]
             lines.append(f"| {c['run']} | {c['goal']} | {value} | {held} |")
         lines.append("")
-    for ablation in sorted(OUT.glob("ablation_yarn_*.json")):
+    for ablation in sorted(out_dir.glob("ablation_yarn_*.json")):
         data = json.loads(ablation.read_text())
         lines += [f"## Why YaRN loses the passkey at {data['length']} tokens (`benchmarks/ablate_yarn_short.py`)", "",
                   "YaRN interpolates the low frequencies and raises every attention logit by 1/t = (0.1 ln s + 1)^2; "
@@ -364,7 +390,8 @@ def report(results: dict) -> Path:
                     f"{row[str(n)]:.2f}" if str(n) in row else "-" for n in lengths) + " |")
         lines += ["", "Effective length: " + ", ".join(f"{n}: {r['effective_length'] or 'not reached'}"
                                                          for n, r in rulers.items()), "", "![ruler](ruler.png)", ""]
-    path = OUT / "report.md"
+    lines += gpu_section(out_dir / "cuda" / "cuda.json")
+    path = out_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -373,6 +400,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", type=Path, default=Path("out/real_model"),
                    help="corpus, token cache, exported models and logs (large; default out/real_model)")
+    p.add_argument("--results", type=Path, default=OUT,
+                   help="results folder: eval/ cache, results.json, report, plots, adapters (default %(default)s)")
+    p.add_argument("--docs", type=Path, default=DOCS,
+                   help="folder of the reST sources (*.rst.txt) to train and test on (default %(default)s)")
     p.add_argument("--only", action="append", default=None, help="run only these runs (repeatable)")
     p.add_argument("--stage", choices=("finetune", "eval", "ruler", "report", "all"), default="all",
                    help="what to run (default all, in order)")
@@ -394,10 +425,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.ppl_lengths = [int(x) for x in args.ppl_lengths.split(",")]
     passkey_lengths = [int(x) for x in args.passkey_lengths.split(",")]
-    work = args.work
+    work, out = args.work, args.results
     gguf = model_file()
-    train, test = corpus(work, args.test_docs)
-    results_path = OUT / "results.json"
+    train, test = corpus(work, args.test_docs, args.docs)
+    results_path = out / "results.json"
     results = json.loads(results_path.read_text()) if results_path.is_file() else {"runs": {}}
     results = {k: v for k, v in results.items() if k not in {"benchmark", *run_metadata()}}  # this run's date etc.
     results.update(model=gguf.name, original=ORIGINAL, target=TARGET,
@@ -411,14 +442,14 @@ def main(argv=None) -> int:
         entry = results["runs"].setdefault(name, {})
         entry.update(trained=name in POSE, schedule=name.removeprefix("pose-"))
         if name in POSE and args.stage in ("finetune", "all"):
-            entry.update(finetune(name, gguf, train, work, args))
+            entry.update(finetune(name, gguf, train, work, args, out))
             save()
         if args.stage in ("eval", "all") and (name not in POSE or (work / "runs" / name).is_dir()):
             trials = {n: args.trials for n in passkey_lengths if n < TARGET}
             trials[TARGET] = args.trials_32k_pose if name in POSE else args.trials_32k_free
-            entry["passkey"] = passkey(name, gguf, work, trials)
+            entry["passkey"] = passkey(name, gguf, work, trials, out)
             save()
-            entry["ppl"] = perplexity(name, gguf, test, work, args)
+            entry["ppl"] = perplexity(name, gguf, test, work, args, out)
             save()
             print(f"{name}: passkey {entry['passkey']} ppl {entry['ppl']}", flush=True)
     if args.stage in ("ruler", "all"):
@@ -427,14 +458,14 @@ def main(argv=None) -> int:
             if name in POSE and not (work / "runs" / name).is_dir():
                 continue
             results["runs"][name]["ruler"] = ruler(name, gguf, work, [int(x) for x in args.ruler_lengths.split(",")],
-                                                   args.ruler_samples)
+                                                   args.ruler_samples, out)
             save()
         results["best_training_free"] = best
-    collect_cached(results)
+    collect_cached(results, out)
     results["goals"] = goals(results)
     save()
-    pngs = plots(results)
-    print(f"wrote {report(results)}, {results_path} and {len(pngs)} plots", flush=True)
+    pngs = plots(results, out)
+    print(f"wrote {report(results, out)}, {results_path} and {len(pngs)} plots", flush=True)
     return 0
 
 
