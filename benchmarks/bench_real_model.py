@@ -133,11 +133,13 @@ def passkey(name: str, gguf: Path, work: Path, trials: dict, out_dir: Path = OUT
 
 
 def perplexity(name: str, gguf: Path, test: Path, work: Path, args, out_dir: Path = OUT) -> dict:
-    """Sliding-window perplexity (stride half the window) at the --ppl-lengths on the same first 16k tokens
-    (`--truncate`) of --ppl-docs test documents, and one 32k window per document on --ppl-docs-32k documents."""
+    """Sliding-window perplexity (stride half the window) at the --ppl-lengths on the same first --ppl-span
+    tokens (`--truncate`) of --ppl-docs test documents, and one 32k window per document on --ppl-docs-32k
+    documents (none when 0)."""
     out = {}
-    plans = [(length, length // 2, args.ppl_docs, max(args.ppl_lengths)) for length in args.ppl_lengths]
-    plans.append((TARGET, TARGET, args.ppl_docs_32k, TARGET))
+    plans = [(length, length // 2, args.ppl_docs, args.ppl_span) for length in args.ppl_lengths]
+    if args.ppl_docs_32k:
+        plans.append((TARGET, TARGET, args.ppl_docs_32k, TARGET))
     for length, stride, docs, span in plans:
         path = out_dir / "eval" / f"{name}.ppl.{length}.json"
         if not path.is_file():
@@ -289,7 +291,7 @@ def gpu_section(path: Path) -> list[str]:
                          f"({'the same answer in every trial' if row['same_answers'] else 'different answers'}) |")
     lines += [f"| PoSE + YaRN LoRA step, {train['window']} tokens, steady | {steady:.2f} s | "
               f"{train['cpu_seconds_per_step']:.1f} s |",
-              f"| first step (kernels compiled at first use) | {train['seconds_per_step'][0]:.1f} s | - |",
+              f"| first step (first-use warm-up) | {train['seconds_per_step'][0]:.1f} s | - |",
               f"| peak memory of training | {train['peak_memory_gb']:.2f} GB | - |", "",
               train["first_use"] + ".", "", *[f"- {note}" for note in cuda["notes"]], ""]
     return lines
@@ -413,8 +415,11 @@ def main(argv=None) -> int:
     p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank (default 16)")
     p.add_argument("--test-docs", type=int, default=4, help="held-out documents (the longest; default 4)")
     p.add_argument("--ppl-docs", type=int, default=2, help="documents of the sliding perplexity (default 2)")
-    p.add_argument("--ppl-docs-32k", type=int, default=2, help="documents of the 32k perplexity (default 2)")
+    p.add_argument("--ppl-docs-32k", type=int, default=2, help="documents of the 32k perplexity (default 2; 0: none)")
     p.add_argument("--ppl-lengths", default="2048,8192,16384", help="sliding-window perplexity lengths")
+    p.add_argument("--ppl-span", type=int, default=16384,
+                   help="the sliding perplexity scores each document's first N-1 tokens at every length (default "
+                        "%(default)s), so the lengths compare on the same text")
     p.add_argument("--passkey-lengths", default="4096,8192,16384,32768", help="passkey lengths")
     p.add_argument("--trials", type=int, default=10, help="passkey trials per length below the target (10)")
     p.add_argument("--trials-32k-pose", type=int, default=8, help="passkey trials at 32k, PoSE runs (default 8)")
@@ -424,6 +429,8 @@ def main(argv=None) -> int:
                    help="RULER samples per task and length (default 2: a 32k prompt takes ~5 min here)")
     args = p.parse_args(argv)
     args.ppl_lengths = [int(x) for x in args.ppl_lengths.split(",")]
+    if max(args.ppl_lengths) > args.ppl_span:
+        p.error(f"--ppl-span {args.ppl_span} is shorter than the longest --ppl-lengths {max(args.ppl_lengths)}")
     passkey_lengths = [int(x) for x in args.passkey_lengths.split(",")]
     work, out = args.work, args.results
     gguf = model_file()
@@ -446,7 +453,8 @@ def main(argv=None) -> int:
             save()
         if args.stage in ("eval", "all") and (name not in POSE or (work / "runs" / name).is_dir()):
             trials = {n: args.trials for n in passkey_lengths if n < TARGET}
-            trials[TARGET] = args.trials_32k_pose if name in POSE else args.trials_32k_free
+            if TARGET in passkey_lengths:
+                trials[TARGET] = args.trials_32k_pose if name in POSE else args.trials_32k_free
             entry["passkey"] = passkey(name, gguf, work, trials, out)
             save()
             entry["ppl"] = perplexity(name, gguf, test, work, args, out)
