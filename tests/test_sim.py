@@ -6,6 +6,7 @@ Runtime: ~15-25 s on 2 cores (the --quick pipeline twice: once fresh, once fully
 import io
 import json
 import re
+import time
 from pathlib import Path
 
 import numpy as np
@@ -124,6 +125,10 @@ def test_quick_rerun_resumes_from_cache(quick, capsys):
     assert lines and all(line.endswith(": cached") for line in lines)
     after = json.loads((quick / "results.json").read_text())
     assert after["runs"] == before["runs"] and after["claims"] == before["claims"]
+    # the whole run's cost survives the rerun: every stage timed once, by the invocation that ran it
+    assert after["stage_seconds"] == before["stage_seconds"] and after["stages_without_time"] == []
+    assert after["wall_seconds_this_process"] < before["wall_seconds_this_process"]
+    assert after["wall_seconds"] >= sum(after["stage_seconds"].values()) > after["wall_seconds_this_process"]
 
 
 def test_split_documents_by_length_and_seed():
@@ -220,6 +225,20 @@ def test_claim_e_and_c():
     assert claims.claim_c(_results({}, passkey=passkey), [4, 8])["held"] is False
     passkey["original"].update({"4": 1.0, "8": 0.2})
     assert claims.claim_c(_results({}, passkey=passkey), [4, 8])["held"] is False
+
+
+def test_stages_record_each_stage_once_across_invocations(tmp_path):
+    record = tmp_path / "stage_seconds.json"
+    first = Stages({"a": 1.0, "b": 1.0}, stream=io.StringIO(), record=record)
+    first.run("a", lambda: False, lambda: time.sleep(0.05))
+    assert first.recorded()[1] == ["b"]  # b has not run: no time for it
+    second = Stages({"a": 1.0, "b": 1.0}, stream=io.StringIO(), record=record)  # a later invocation
+    second.run("a", lambda: True, lambda: pytest.fail("a is cached"))
+    second.run("b", lambda: False, lambda: time.sleep(0.02))
+    total, missing = second.recorded()
+    assert missing == [] and second.seconds < total  # this invocation ran b only; the total counts a too
+    assert total == pytest.approx(json.loads(record.read_text())["a"] + second.times["b"])
+    assert json.loads(record.read_text())["a"] >= 0.05
 
 
 def test_stages_skip_cached_and_report_eta():

@@ -162,13 +162,24 @@ def seeds_table(results: dict) -> list[str]:
     return lines + [""]
 
 
+def _wall_time(results: dict) -> str:
+    """The run's cost from scratch (each stage's own time, whichever invocation ran it) and this invocation's."""
+    whole, own = results["wall_seconds"], results.get("wall_seconds_this_process", results["wall_seconds"])
+    missing = results.get("stages_without_time", [])
+    text = (f"Wall time of the whole run: {whole / 60:.1f} min (every stage once, timed when it ran); this invocation "
+            f"{own / 60:.1f} min (cached stages are not re-run).")
+    if missing:
+        text += (f" {len(missing)} stages ran before their times were kept, so the whole run took longer than "
+                 "that.")
+    return text
+
+
 def write_report(results: dict, folder: Path, pngs: list[Path]) -> Path:
     c, pre = results["config"], results["pretrain"]
     held = {True: "**held**", False: "**did not hold**", None: "not evaluated"}
     parts = [
         "# PoSE simulator report", "",
-        f"Command: `python -m pose_mlx.sim {results['argv']}` — wall time of this invocation "
-        f"{results['wall_seconds']:.0f} s (cached stages are not re-run).", "",
+        f"Command: `python -m pose_mlx.sim {results['argv']}`. {_wall_time(results)}", "",
         f"Model: llama, hidden {c['hidden']}, {c['layers']} layers, {c['heads']} heads, FFN {c['ffn']}, vocabulary "
         f"{c['vocab']}, {pre['parameters']:,} parameters, RoPE base {c['base']:.4g} (Lc / (2 pi base) = "
         f"{c['window'] / (6.283185307 * c['base']):.4f}, Llama-2: 0.0652). Pre-trained at Lc = {c['window']} on "

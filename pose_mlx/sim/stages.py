@@ -1,12 +1,17 @@
 """Cached stages with a progress line each: '[k/n] name: done in 12 s; ETA 3 min' or '... cached'.
 
 ETA = (seconds per unit of estimated work, measured over the stages this process ran) x the work left.
+With a `record` file, each stage's own time is kept when it runs (JSON {stage: seconds}), so a run that went in
+parts still knows what it cost from scratch: `recorded()` sums every stage once, whichever process ran it.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 
@@ -15,12 +20,20 @@ def _duration(seconds: float) -> str:
 
 
 class Stages:
-    def __init__(self, weights: dict[str, float], stream=None):
+    def __init__(self, weights: dict[str, float], stream=None, record: Path | None = None):
         if any(w <= 0 for w in weights.values()):
             raise ValueError("weights must be positive")
         self.weights, self.stream = dict(weights), stream or sys.stdout
         self.done: set[str] = set()
         self.seconds = self.work = 0.0
+        self.record = None if record is None else Path(record)
+        self.times: dict[str, float] = (json.loads(self.record.read_text())
+                                        if self.record is not None and self.record.is_file() else {})
+
+    def recorded(self) -> tuple[float, list[str]]:
+        """(seconds of every stage as recorded when it ran, the stages that have no recorded time)."""
+        return (sum(self.times[n] for n in self.weights if n in self.times),
+                [n for n in self.weights if n not in self.times])
 
     def eta(self) -> float | None:
         left = sum(w for n, w in self.weights.items() if n not in self.done)
@@ -38,6 +51,11 @@ class Stages:
         t0 = time.perf_counter()
         fn()
         spent = time.perf_counter() - t0
+        self.times[name] = spent
+        if self.record is not None:
+            tmp = self.record.with_name(self.record.name + ".tmp")
+            tmp.write_text(json.dumps(self.times, indent=1) + "\n")
+            os.replace(tmp, self.record)
         self.done.add(name)
         self.seconds += spent
         self.work += self.weights[name]
