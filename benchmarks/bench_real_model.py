@@ -274,6 +274,34 @@ def goals(results: dict) -> list[dict]:
     return out
 
 
+def tried_section(out_dir: Path, results: dict) -> list[str]:
+    """The PoSE fine-tuning settings tried beside this folder's: sibling folders `<folder>_<tag>/` that the same
+    benchmark wrote with --results and one setting changed (--lr, --steps, --window), next to this folder's runs."""
+    own = [(out_dir.name, n, r) for n, r in results["runs"].items() if r.get("trained")]
+    others = []
+    for path in sorted(out_dir.parent.glob(f"{out_dir.name}_*/results.json")):
+        runs = json.loads(path.read_text()).get("runs", {})
+        others += [(path.parent.name, n, r) for n, r in runs.items() if r.get("trained") and "steps" in r]
+    if not others:
+        return []
+    rows = own + others
+    lengths = sorted({int(k) for _, _, r in rows for k in r.get("passkey", {})})
+    lines = ["## PoSE settings tried", "",
+             "The same benchmark with one fine-tuning setting changed (`--results benchmarks/results/<folder>`); "
+             "passkey with the same keys and depths (seed 0).", "",
+             "| folder | run | steps | window | lr | train time (s) | " + " | ".join(f"passkey {n}" for n in lengths)
+             + " | ppl 2048 | short questions |", "|---|---|---|---|---|---|" + "---|" * (len(lengths) + 2)]
+    for folder, name, r in rows:
+        passkey = [accuracy_cell(r["passkey"][str(n)], r["passkey_trials"][str(n)])
+                   if str(n) in r.get("passkey", {}) else "-" for n in lengths]
+        ppl2, qa = r.get("ppl", {}).get("2048"), r.get("short_qa")
+        lines.append(f"| {folder} | {name} | {r.get('steps', '-')} | {r.get('window', '-')} | {r.get('lr', '-'):g} | "
+                     f"{r.get('train_seconds', 0):.0f} | " + " | ".join(passkey)
+                     + f" | {'-' if ppl2 is None else format(ppl2, '.2f')} | "
+                     + ("-" if qa is None else f"{qa['correct']} of {qa['questions']}") + " |")
+    return lines + [""]
+
+
 def gpu_section(path: Path) -> list[str]:
     """The report's lines for a run of the benchmark's stages on a GPU (`cuda/cuda.json`, written by hand from the
     device's output: the device tool cannot keep a whole benchmark's state), or none."""
@@ -392,6 +420,7 @@ def report(results: dict, out_dir: Path = OUT) -> Path:
                     f"{row[str(n)]:.2f}" if str(n) in row else "-" for n in lengths) + " |")
         lines += ["", "Effective length: " + ", ".join(f"{n}: {r['effective_length'] or 'not reached'}"
                                                          for n, r in rulers.items()), "", "![ruler](ruler.png)", ""]
+    lines += tried_section(out_dir, results)
     lines += gpu_section(out_dir / "cuda" / "cuda.json")
     path = out_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")

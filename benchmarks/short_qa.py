@@ -9,7 +9,7 @@ answers a 135M instruct model knows at least in part.
   python benchmarks/short_qa.py                      # every run of bench_real_model.py (PoSE runs once trained)
   python benchmarks/short_qa.py --only none --only yarn
 
-Writes benchmarks/results/real_model/eval/<run>.short_qa.json ({"accuracy", "correct", "questions", "answers"});
+Writes benchmarks/results/real_model/eval/<run>.short_qa.json (--results: another folder of bench_real_model.py) ({"accuracy", "correct", "questions", "answers"});
 bench_real_model.py's report collects them.
 """
 
@@ -83,11 +83,12 @@ def correct(answer: str, references: list[str]) -> bool:
     return any(re.search(rf"(?<!\w){re.escape(ref)}(?!\d)", answer, re.IGNORECASE) for ref in references)
 
 
-def evaluate(name: str, gguf: Path, work: Path, max_tokens: int) -> Path:
-    """Ask every question of run `name` (loaded as the evaluators load it); cached in eval/<name>.short_qa.json."""
+def evaluate(name: str, gguf: Path, work: Path, max_tokens: int, results: Path = bench.OUT) -> Path:
+    """Ask every question of run `name` (loaded as the evaluators load it); cached in
+    <results>/eval/<name>.short_qa.json."""
     from pose_mlx.longctx import load_eval_model
 
-    path = bench.OUT / "eval" / f"{name}.short_qa.json"
+    path = results / "eval" / f"{name}.short_qa.json"
     if path.is_file():
         return path
     if name in bench.POSE:
@@ -110,6 +111,7 @@ def evaluate(name: str, gguf: Path, work: Path, max_tokens: int) -> Path:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", type=Path, default=Path("out/real_model"), help="bench_real_model.py's --work")
+    p.add_argument("--results", type=Path, default=bench.OUT, help="bench_real_model.py's --results")
     p.add_argument("--only", action="append", default=None, help="only these runs (repeatable)")
     p.add_argument("--max-tokens", type=int, default=24, help="answer budget in tokens (default 24)")
     args = p.parse_args()
@@ -122,7 +124,7 @@ def main() -> int:
         if name in bench.POSE and not (args.work / "runs" / name).is_dir():
             print(f"{name}: not trained yet, skipped", flush=True)
             continue
-        record = json.loads(evaluate(name, gguf, args.work, args.max_tokens).read_text())
+        record = json.loads(evaluate(name, gguf, args.work, args.max_tokens, args.results).read_text())
         print(f"{name}: {record['correct']}/{record['questions']}", flush=True)
     return 0
 
