@@ -103,7 +103,8 @@ def finetune(name: str, gguf: Path, train: Path, work: Path, args, out_dir: Path
                "--data", str(train), "--cache-dir", str(work / "cache"), "--lora-rank", str(args.lora_rank),
                "--lr", str(args.lr), "--steps", str(args.steps), "--warmup", str(max(1, args.steps // 20)),
                "--batch-size", "1", "--save-every", "10", "--no-fuse", "--no-progress", "--output", str(out),
-               "--seed", "0", "--eval-every", str(max(1, args.steps // 5)), "--eval-batches", "4"]
+               "--seed", "0", "--eval-every", str(max(1, args.steps // 5)), "--eval-batches", "4",
+               *(["--no-compile"] if args.no_compile else [])]
     seconds = run(cmd, work / "logs" / f"{name}.finetune.log")
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines() if line.strip()]
     record = {"train_seconds": sum(r["seconds"] for r in log), "wall_seconds_last_part": seconds,
@@ -442,6 +443,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=200, help="PoSE fine-tuning updates (default 200, as pose-yarn ran)")
     p.add_argument("--lr", type=float, default=1e-4, help="LoRA learning rate (default 1e-4)")
     p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank (default 16)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="eager training steps (on a fresh H200 the compiled first step took over 200 s; cuda/cuda.json)")
     p.add_argument("--test-docs", type=int, default=4, help="held-out documents (the longest; default 4)")
     p.add_argument("--ppl-docs", type=int, default=2, help="documents of the sliding perplexity (default 2)")
     p.add_argument("--ppl-docs-32k", type=int, default=2, help="documents of the 32k perplexity (default 2; 0: none)")
