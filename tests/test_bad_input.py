@@ -235,3 +235,18 @@ def test_other_exceptions_keep_their_traceback(tiny_model, tmp_path, monkeypatch
     with pytest.raises(ValueError, match="a bug"):
         finetune.main(["--model", str(tiny_model), "--target", "4x", "--sampler", "none", "--output",
                        str(tmp_path / "o")])
+
+
+@pytest.mark.parametrize("module", ["convert", "demo", "finetune", "launch", "passkey", "perplexity", "plan", "ruler",
+                                    "sim.__main__"])
+def test_every_command_prints_its_help(module, capsys):
+    """`--help` of every command exits 0 and lists flags (argparse expands "%" in help strings: a stray one
+    crashes --help, as "95% interval" once did in the simulator's)."""
+    import importlib
+
+    main = importlib.import_module(f"pose_mlx.{module}").main
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code in (0, None)
+    text = capsys.readouterr().out
+    assert text.startswith("usage:") and text.count("\n  -") >= 2

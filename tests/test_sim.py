@@ -131,6 +131,65 @@ def test_quick_rerun_resumes_from_cache(quick, capsys):
     assert after["wall_seconds"] >= sum(after["stage_seconds"].values()) > after["wall_seconds_this_process"]
 
 
+def _invented_language(rng, words: int) -> str:
+    """Sentences of an invented language (seeded): no file of the default corpus looks like it."""
+    syllables = ["ka", "lo", "mi", "ra", "te", "su", "ni", "po", "ve", "da", "zu", "fe", "sho", "qui"]
+    lexicon = ["".join(rng.choice(syllables, size=rng.integers(1, 4))) for _ in range(300)]
+    out = []
+    for _ in range(words // 8):
+        sentence = " ".join(rng.choice(lexicon, size=rng.integers(4, 12)))
+        out.append(sentence.capitalize() + ".")
+    return " ".join(out)
+
+
+@pytest.fixture(scope="module")
+def invented_library(tmp_path_factory):
+    """A folder as another language's library or a book collection looks: any suffix or none, nested folders,
+    plus a binary file, a Latin-1 file and a hidden folder that must not be read."""
+    root = tmp_path_factory.mktemp("library")
+    rng = np.random.default_rng(7)
+    (root / "lib" / "sub").mkdir(parents=True)
+    names = ["lib/Alpha.pm", "lib/sub/beta.rb", "README", "chapter_01.txt", "lib/gamma.c", "notes.rst"]
+    for i in range(24):
+        name = names[i] if i < len(names) else f"lib/sub/part{i:02d}.pm"
+        (root / name).write_text(_invented_language(rng, 6000 if i < 2 else 1200), encoding="utf-8")
+    (root / "logo.bin").write_bytes(b"\x89PNG\x00\x01")
+    (root / "latin1.txt").write_bytes("caf\xe9 cr\xe8me".encode("latin-1"))
+    (root / ".git").mkdir()
+    (root / ".git" / "config").write_text(_invented_language(rng, 100))
+    return root
+
+
+def test_corpus_reads_every_text_file_whatever_its_name(invented_library):
+    from pose_mlx.sim.corpus import corpus_files
+
+    files = corpus_files(invented_library)
+    names = {str(p.relative_to(invented_library)) for p in files}
+    assert {"lib/Alpha.pm", "lib/sub/beta.rb", "README", "lib/gamma.c", "logo.bin"} <= names
+    assert not any(n.startswith(".git") for n in names) and len(files) == 26  # 24 texts + binary + Latin-1
+
+
+def test_quick_runs_end_to_end_on_another_corpus(invented_library, tmp_path):
+    out = tmp_path / "sim"
+    assert sim.main(["--quick", "--corpus", str(invented_library), "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    corpus = results["corpus"]
+    assert corpus["source"] == str(invented_library) and corpus["prose"] is None
+    assert sum(corpus["documents"].values()) == 24 and corpus["skipped_files"] == {"binary": 1, "encoding": 1}
+    assert {c["id"] for c in results["claims"]} == {"a", "b", "c", "d", "e", "f"}
+    assert results["ppl"]["original"] and (out / "report.md").is_file()
+    train = " ".join(p.read_text() for p in sorted((out / "corpus" / "train").iterdir()))
+    assert "def " not in train and "import" not in train  # nothing of the default corpus
+
+
+def test_bad_corpus_is_one_line_and_exit_2(tmp_path, capsys):
+    assert sim.main(["--quick", "--corpus", str(tmp_path / "missing"), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("pose_mlx.sim: error: corpus:") and "no such file" in err[0]
+    assert sim.main(["--quick", "--window", "0", "--out", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err.strip().startswith("pose_mlx.sim: error: --window")
+
+
 def test_split_documents_by_length_and_seed():
     texts = ["x" * n for n in (5, 50, 7, 40, 3, 9, 8, 6, 4, 2, 1, 30)]
     parts = split_documents(texts, test_docs=3, val_fraction=0.2, seed=0)

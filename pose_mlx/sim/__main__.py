@@ -17,6 +17,7 @@ from .grid import (RULER_RUNS, RULER_TASKS, Run, collect, evaluate_passkey, eval
 from .pretrain import pretrain
 from .report import plots, write_report
 from .stages import Stages
+from ..errors import UserError, command
 from ..training.data import required_length
 
 #: Runs trained with every seed of --seeds (claim b compares them); the others use --seed only.
@@ -126,22 +127,28 @@ def _position_curves(stages: Stages, config: SimConfig, runs: list[Run], out: Pa
     return curves
 
 
+@command("pose_mlx.sim")
 def main(argv=None) -> int:
     t0 = time.perf_counter()
     try:
         config = parse_config(argv)
-    except ValueError as error:
-        print(f"pose_mlx.sim: error: {error}", file=sys.stderr)
-        return 2
+    except ValueError as error:  # a setting out of range: the user's to fix
+        raise UserError(error) from None
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     runs = grid_runs(config.factor)
     stages = Stages(_weights(config, runs), record=out / "stage_seconds.json")
     data, cache = out / "corpus", out / "cache"
 
-    stages.run("corpus", lambda: (data / "corpus.json").is_file(), lambda: corpus_mod.build_corpus(
-        data, config.corpus, config.corpus_chars, config.test_docs, config.test_tokens, config.val_fraction,
-        config.vocab, config.seed, corpus_mod.resolve_prose(config.prose, config.corpus)))
+    def do_corpus():
+        try:
+            corpus_mod.build_corpus(data, config.corpus, config.corpus_chars, config.test_docs, config.test_tokens,
+                                    config.val_fraction, config.vocab, config.seed,
+                                    corpus_mod.resolve_prose(config.prose, config.corpus))
+        except ValueError as error:  # --corpus missing, empty, too few or too short documents
+            raise UserError(error) from None
+
+    stages.run("corpus", lambda: (data / "corpus.json").is_file(), do_corpus)
     tokenizer = corpus_mod._hf_tokenizer(data / "tokenizer")
     model = out / "pretrained"
 

@@ -7,6 +7,8 @@ import math
 from pathlib import Path
 from dataclasses import asdict, dataclass, fields
 
+from ..errors import ArgumentParser
+
 #: Llama-2's ratio of pre-training window to longest RoPE wavelength, 4096 / (2 pi 10^4).
 LLAMA2_RATIO = 4096 / (2 * math.pi * 1e4)
 
@@ -91,7 +93,7 @@ QUICK = dict(corpus_chars=400_000, test_docs=2, eval_docs=2, test_tokens=512, vo
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pose_mlx.sim", description=(
+    p = ArgumentParser(prog="python -m pose_mlx.sim", description=(
         "Small-scale simulator of the PoSE paper: pre-train a small llama at Lc, run the grid of context "
         "extensions with pose_mlx.finetune, evaluate with pose_mlx.perplexity / pose_mlx.passkey, and write "
         "report.md, results.json and PNGs. Every stage is cached in --out; rerun to resume."))
@@ -99,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = SimConfig()
     helps = {
         "out": "working folder: every stage's output and cache, report.md, results.json, PNGs",
-        "corpus": "folder of text files (default: this interpreter's standard-library sources)",
+        "corpus": "folder of text: every UTF-8 file below it, any name (default: this interpreter's standard-library "
+                  "sources)",
         "prose": "folder of English text added to the corpus; 'auto': Debian's python3.11-doc reST sources when "
                  "installed and no --corpus is given; 'none' (default): leave it out (with the prose, the default "
                  "base scores 0.28 on the passkey gate instead of 1.00; docs/simulator.md)",
@@ -128,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
         "finetune_retrieval": "share of every method's fine-tuning examples that are synthetic retrieval documents "
                               "of the method's example length (keeps the base's retrieval skill, favours no method)",
         "seeds": "seeds of the PoSE and full-length runs (seed, seed + 1, ...): their perplexities are reported "
-                 "as mean and 95% interval; the other runs use --seed only",
+                 "as mean and 95%% interval; the other runs use --seed only",
         "cost_steps": "updates of each cost run: PoSE and full-length at 2x ... the target, full_batch sequences "
                       "per update for both (timed only)",
         "passkey_trials": "passkey trials per evaluation length",

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import toy
-from ..training.data import read_documents
+from ..training.data import decode_text
 
 
 def split_documents(texts: list[str], test_docs: int, val_fraction: float, seed: int) -> dict[str, list[str]]:
@@ -65,13 +65,33 @@ def resolve_prose(prose: str, corpus: str | None) -> Path | None:
     return DEFAULT_PROSE if prose == "auto" else Path(prose)
 
 
-def _read(source, max_chars: int | None) -> list[str]:
+def corpus_files(source) -> list[Path]:
+    """A file, or every file below a folder (sorted, hidden entries skipped) whatever its name: --corpus takes any
+    folder of text, another language's library (.pm, .rb, .c, ...) or a book collection (.txt, no suffix, ...)."""
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise ValueError(f"corpus: {source}: no such file or folder")
+    if path.is_file():
+        return [path]
+    return sorted(p for p in path.rglob("*") if p.is_file()
+                  and not any(part.startswith(".") for part in p.relative_to(path).parts))
+
+
+def _read(source, max_chars: int | None, skipped: dict[str, int]) -> list[str]:
+    """The UTF-8 text files of `source` as documents, up to `max_chars` characters; binary (NUL bytes), non-UTF-8
+    and empty files are counted in `skipped` by reason."""
     texts, total = [], 0
-    for text in read_documents(source):
+    for path in corpus_files(source):
+        text, problem = decode_text(path.read_bytes())
+        if problem is not None:
+            skipped[problem] = skipped.get(problem, 0) + 1
+            continue
         texts.append(text)
         total += len(text)
         if max_chars is not None and total >= max_chars:
             break
+    if not texts:
+        raise ValueError(f"corpus: {source} holds no UTF-8 text files")
     return texts
 
 
@@ -81,9 +101,10 @@ def build_corpus(folder: Path, source: str | None, max_chars: int | None, test_d
     `source` None: the standard library's sources; `prose`: a folder of text added to them (`max_chars` applies to
     each of the two)."""
     folder = Path(folder)
-    texts = toy.stdlib_texts(max_chars=max_chars) if source is None else _read(source, max_chars)
+    skipped: dict[str, int] = {}
+    texts = toy.stdlib_texts(max_chars=max_chars) if source is None else _read(source, max_chars, skipped)
     if prose is not None:
-        texts += _read(prose, max_chars)
+        texts += _read(prose, max_chars, skipped)
     splits = split_documents(texts, test_docs, val_fraction, seed)
     toy.train_tokenizer(splits["train"], folder / "tokenizer", vocab)
     tokenizer = _hf_tokenizer(folder / "tokenizer")
@@ -96,7 +117,8 @@ def build_corpus(folder: Path, source: str | None, max_chars: int | None, test_d
     _write(folder / "val", splits["val"])
     _write(folder / "test", test)
     info = {"source": source or "stdlib", "prose": None if prose is None else str(prose), "documents": {k: len(v) for k, v in splits.items()},
-            "characters": {k: sum(map(len, v)) for k, v in splits.items()}, "test_tokens": test_tokens,
+            "characters": {k: sum(map(len, v)) for k, v in splits.items()}, "skipped_files": skipped,
+            "test_tokens": test_tokens,
             "vocab": vocab}
     (folder / "corpus.json").write_text(json.dumps(info, indent=1) + "\n")
     return info

@@ -137,7 +137,7 @@ def chat_renderer(tokenizer):
     return render
 
 
-def _decode(raw: bytes) -> tuple[str | None, str | None]:
+def decode_text(raw: bytes) -> tuple[str | None, str | None]:
     """(text, None) for usable text, else (None, 'empty' | 'binary' (NUL bytes) | 'encoding' (not UTF-8))."""
     if b"\x00" in raw:
         return None, "binary"
@@ -210,7 +210,7 @@ def read_files(files: Iterable[Path], stats: ReadStats, render=None) -> Iterator
         if path.suffix.lower() == ".jsonl":
             yield from _jsonl_documents(path, stats, render)
             continue
-        text, problem = _decode(path.read_bytes())
+        text, problem = decode_text(path.read_bytes())
         if problem is not None:
             _skip(stats, problem)
             continue
