@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -275,6 +276,27 @@ def goals(results: dict) -> list[dict]:
     return out
 
 
+def failure_section(out_dir: Path, runs: dict) -> list[str]:
+    """How the passkey trials failed, per run and length: no number at all in the answer's first line (the model
+    did not retrieve: "the pass key.", "a special type of key") or a wrong number (it copied, wrongly)."""
+    rows = {}
+    for name in runs:
+        for path in sorted(out_dir.glob(f"eval/{name}.passkey.*.json"), key=lambda p: int(p.suffixes[-2][1:])):
+            record = json.loads(path.read_text())
+            failed = [t["answer"].split("\n")[0] for t in record["trials"] if not t["correct"]]
+            numberless = sum(1 for a in failed if not re.search(r"\d", a))
+            rows.setdefault(name, {})[record["lengths"][0]] = (numberless, len(failed) - numberless)
+    lengths = sorted({n for r in rows.values() for n in r})
+    if not lengths:
+        return []
+    lines = ["## How passkey trials fail", "",
+             "Failed trials per length: without any number in the answer's first line / with a wrong number.", "",
+             "| run | " + " | ".join(map(str, lengths)) + " |", "|---|" + "---|" * len(lengths)]
+    for name, r in rows.items():
+        lines.append(f"| {name} | " + " | ".join(f"{r[n][0]} / {r[n][1]}" if n in r else "-" for n in lengths) + " |")
+    return lines + [""]
+
+
 def tried_section(out_dir: Path, results: dict) -> list[str]:
     """The PoSE fine-tuning settings tried beside this folder's: sibling folders `<folder>_<tag>/` that the same
     benchmark wrote with --results and one setting changed (--lr, --steps, --window), next to this folder's runs."""
@@ -421,6 +443,7 @@ def report(results: dict, out_dir: Path = OUT) -> Path:
                     f"{row[str(n)]:.2f}" if str(n) in row else "-" for n in lengths) + " |")
         lines += ["", "Effective length: " + ", ".join(f"{n}: {r['effective_length'] or 'not reached'}"
                                                          for n, r in rulers.items()), "", "![ruler](ruler.png)", ""]
+    lines += failure_section(out_dir, runs)
     lines += tried_section(out_dir, results)
     lines += gpu_section(out_dir / "cuda" / "cuda.json")
     path = out_dir / "report.md"
