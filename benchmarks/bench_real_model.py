@@ -248,7 +248,7 @@ def accuracy_cell(accuracy: float, trials: int) -> str:
 
 
 def goals(results: dict) -> list[dict]:
-    """The issue's goals for every PoSE run, each `held` True/False, or None while a number it needs is missing:
+    """The issue's goals for every PoSE run (variants included), each `held` True/False, or None while a number it needs is missing:
     passkey >= 0.9 at 16k and >= 0.8 at 32k and no lower than any training-free run at 32k; perplexity at 32k no
     worse than the best training-free run's; perplexity at 2k within 5% of the base model's, read as the paper's
     Table 3 reads it: no short-context regression (at most 5% above; lower is not a failure)."""
@@ -258,7 +258,7 @@ def goals(results: dict) -> list[dict]:
     def get(run, key, length):
         return runs.get(run, {}).get(key, {}).get(str(length))
 
-    for name in (n for n in POSE if n in runs):
+    for name in (n for n, r in runs.items() if r.get("trained")):
         pk16, pk32 = get(name, "passkey", 16384), get(name, "passkey", TARGET)
         rivals32 = [get(n, "passkey", TARGET) for n in free]
         ppl32, ppl2, base2 = get(name, "ppl", TARGET), get(name, "ppl", 2048), get("none", "ppl", 2048)
@@ -280,8 +280,9 @@ def failure_section(out_dir: Path, runs: dict) -> list[str]:
     """How the passkey trials failed, per run and length: no number at all in the answer's first line (the model
     did not retrieve: "the pass key.", "a special type of key") or a wrong number (it copied, wrongly)."""
     rows = {}
-    for name in runs:
-        for path in sorted(out_dir.glob(f"eval/{name}.passkey.*.json"), key=lambda p: int(p.suffixes[-2][1:])):
+    for name, run in runs.items():
+        folder, own = (out_dir.parent / run["folder"], name.split(" (")[0]) if "folder" in run else (out_dir, name)
+        for path in sorted(folder.glob(f"eval/{own}.passkey.*.json"), key=lambda p: int(p.suffixes[-2][1:])):
             record = json.loads(path.read_text())
             failed = [t["answer"].split("\n")[0] for t in record["trials"] if not t["correct"]]
             numberless = sum(1 for a in failed if not re.search(r"\d", a))
@@ -297,31 +298,37 @@ def failure_section(out_dir: Path, runs: dict) -> list[str]:
     return lines + [""]
 
 
-def tried_section(out_dir: Path, results: dict) -> list[str]:
-    """The PoSE fine-tuning settings tried beside this folder's: sibling folders `<folder>_<tag>/` that the same
-    benchmark wrote with --results and one setting changed (--lr, --steps, --window), next to this folder's runs."""
-    own = [(out_dir.name, n, r) for n, r in results["runs"].items() if r.get("trained")]
-    others = []
+def variants(out_dir: Path) -> dict:
+    """The PoSE runs of sibling folders `<folder>_<tag>/` that this benchmark wrote with --results and one
+    fine-tuning setting changed (--lr, --steps, --window), as runs named `<run> (<tag>)`, each with its folder."""
+    found = {}
     for path in sorted(out_dir.parent.glob(f"{out_dir.name}_*/results.json")):
-        runs = json.loads(path.read_text()).get("runs", {})
-        others += [(path.parent.name, n, r) for n, r in runs.items() if r.get("trained") and "steps" in r]
-    if not others:
+        tag = path.parent.name.removeprefix(out_dir.name + "_")
+        for name, r in json.loads(path.read_text()).get("runs", {}).items():
+            if r.get("trained") and "steps" in r:
+                found[f"{name} ({tag})"] = {**r, "folder": path.parent.name}
+    return found
+
+
+def tried_section(runs: dict) -> list[str]:
+    """The PoSE fine-tuning settings tried: this folder's runs and the variants (`variants`)."""
+    rows = {n: r for n, r in runs.items() if r.get("trained")}
+    if not any("folder" in r for r in rows.values()):
         return []
-    rows = own + others
-    lengths = sorted({int(k) for _, _, r in rows for k in r.get("passkey", {})})
+    lengths = sorted({int(k) for r in rows.values() for k in r.get("passkey", {})})
     lines = ["## PoSE settings tried", "",
              "The same benchmark with one fine-tuning setting changed (`--results benchmarks/results/<folder>`); "
              "passkey with the same keys and depths (seed 0).", "",
-             "| folder | run | steps | window | lr | train time (s) | " + " | ".join(f"passkey {n}" for n in lengths)
-             + " | ppl 2048 | short questions |", "|---|---|---|---|---|---|" + "---|" * (len(lengths) + 2)]
-    for folder, name, r in rows:
+             "| run | steps | window | lr | train time (s) | " + " | ".join(f"passkey {n}" for n in lengths)
+             + " | ppl 2048 | ppl 32768 | short questions |", "|---|---|---|---|---|" + "---|" * (len(lengths) + 3)]
+    for name, r in rows.items():
         passkey = [accuracy_cell(r["passkey"][str(n)], r["passkey_trials"][str(n)])
                    if str(n) in r.get("passkey", {}) else "-" for n in lengths]
-        ppl2, qa = r.get("ppl", {}).get("2048"), r.get("short_qa")
-        lines.append(f"| {folder} | {name} | {r.get('steps', '-')} | {r.get('window', '-')} | {r.get('lr', '-'):g} | "
-                     f"{r.get('train_seconds', 0):.0f} | " + " | ".join(passkey)
-                     + f" | {'-' if ppl2 is None else format(ppl2, '.2f')} | "
-                     + ("-" if qa is None else f"{qa['correct']} of {qa['questions']}") + " |")
+        ppl, qa = r.get("ppl", {}), r.get("short_qa")
+        lines.append(f"| {name} | {r['steps']} | {r['window']} | {r['lr']:g} | {r['train_seconds']:.0f} | "
+                     + " | ".join(passkey) + " | " + " | ".join("-" if ppl.get(n) is None else f"{ppl[n]:.2f}"
+                                                               for n in ("2048", str(TARGET)))
+                     + " | " + ("-" if qa is None else f"{qa['correct']} of {qa['questions']}") + " |")
     return lines + [""]
 
 
@@ -444,7 +451,7 @@ def report(results: dict, out_dir: Path = OUT) -> Path:
         lines += ["", "Effective length: " + ", ".join(f"{n}: {r['effective_length'] or 'not reached'}"
                                                          for n, r in rulers.items()), "", "![ruler](ruler.png)", ""]
     lines += failure_section(out_dir, runs)
-    lines += tried_section(out_dir, results)
+    lines += tried_section(runs)
     lines += gpu_section(out_dir / "cuda" / "cuda.json")
     path = out_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
@@ -525,6 +532,7 @@ def main(argv=None) -> int:
             save()
         results["best_training_free"] = best
     collect_cached(results, out)
+    results["runs"] = {n: r for n, r in results["runs"].items() if "folder" not in r} | variants(out)
     results["goals"] = goals(results)
     save()
     pngs = plots(results, out)
