@@ -53,7 +53,7 @@ def model_file() -> Path:
     return Path(out.strip().splitlines()[-1])
 
 
-def corpus(work: Path, test_docs: int, docs: Path = DOCS) -> tuple[Path, Path]:
+def corpus(work: Path, test_docs: int, docs: Path) -> tuple[Path, Path]:
     """train/ and test/ folders of the reST sources under `docs`: the `test_docs` longest files are the test set."""
     train, test = work / "corpus" / "train", work / "corpus" / "test"
     if (work / "corpus" / "done").is_file():
@@ -89,7 +89,7 @@ def model_args(name: str, gguf: Path, work: Path) -> list[str]:
     return args if name == "none" else args + ["--schedule", name, "--target", str(TARGET)]
 
 
-def finetune(name: str, gguf: Path, train: Path, work: Path, args, out_dir: Path = OUT) -> dict:
+def finetune(name: str, gguf: Path, train: Path, work: Path, args, out_dir: Path) -> dict:
     """LoRA PoSE fine-tuning of one run (resumable); returns its training record."""
     out = work / "runs" / name
     record_path = out_dir / "eval" / f"{name}.train.json"
@@ -121,7 +121,7 @@ def finetune(name: str, gguf: Path, train: Path, work: Path, args, out_dir: Path
     return record
 
 
-def passkey(name: str, gguf: Path, work: Path, trials: dict, out_dir: Path = OUT) -> dict:
+def passkey(name: str, gguf: Path, work: Path, trials: dict, out_dir: Path) -> dict:
     """Accuracy per length (one cached JSON per length: a 32k trial takes minutes)."""
     accuracy = {}
     for length, n in trials.items():
@@ -134,7 +134,7 @@ def passkey(name: str, gguf: Path, work: Path, trials: dict, out_dir: Path = OUT
     return accuracy
 
 
-def perplexity(name: str, gguf: Path, test: Path, work: Path, args, out_dir: Path = OUT) -> dict:
+def perplexity(name: str, gguf: Path, test: Path, work: Path, args, out_dir: Path) -> dict:
     """Sliding-window perplexity (stride half the window) at the --ppl-lengths on the same first --ppl-span
     tokens (`--truncate`) of --ppl-docs test documents, and one 32k window per document on --ppl-docs-32k
     documents (none when 0)."""
@@ -154,7 +154,7 @@ def perplexity(name: str, gguf: Path, test: Path, work: Path, args, out_dir: Pat
     return out
 
 
-def ruler(name: str, gguf: Path, work: Path, lengths: list[int], samples: int, out_dir: Path = OUT) -> dict:
+def ruler(name: str, gguf: Path, work: Path, lengths: list[int], samples: int, out_dir: Path) -> dict:
     """RULER scores (a subset of tasks) per length."""
     path = out_dir / "eval" / f"{name}.ruler.json"
     if not path.is_file():
@@ -173,7 +173,7 @@ def ruler_summary(path: Path) -> dict:
             "samples": record.get("samples")}
 
 
-def collect_cached(results: dict, out_dir: Path = OUT) -> None:
+def collect_cached(results: dict, out_dir: Path) -> None:
     """Every evaluation already cached in eval/ into results.json's runs (passkey accuracy and trials per length,
     perplexity per length, RULER), so the report shows a benchmark that ran in parts as far as it got."""
     for name in (*TRAINING_FREE, *POSE):
@@ -209,7 +209,7 @@ def best_training_free(results: dict) -> str | None:
                                        -item[1].get("ppl", {}).get(str(TARGET), float("inf"))))[0]
 
 
-def plots(results: dict, out_dir: Path = OUT) -> list[Path]:
+def plots(results: dict, out_dir: Path) -> list[Path]:
     from pose_mlx.plots import line_vs_length
 
     written = []
@@ -248,7 +248,7 @@ def accuracy_cell(accuracy: float, trials: int) -> str:
 
 
 def goals(results: dict) -> list[dict]:
-    """The issue's goals for every PoSE run (variants included), each `held` True/False, or None while a number it needs is missing:
+    """The goals for every PoSE run (variants included), each `held` True/False, or None while a number it needs is missing:
     passkey >= 0.9 at 16k and >= 0.8 at 32k and no lower than any training-free run at 32k; perplexity at 32k no
     worse than the best training-free run's; perplexity at 2k within 5% of the base model's, read as the paper's
     Table 3 reads it: no short-context regression (at most 5% above; lower is not a failure)."""
@@ -281,7 +281,8 @@ def failure_section(out_dir: Path, runs: dict) -> list[str]:
     did not retrieve: "the pass key.", "a special type of key") or a wrong number (it copied, wrongly)."""
     rows = {}
     for name, run in runs.items():
-        folder, own = (out_dir.parent / run["folder"], name.split(" (")[0]) if "folder" in run else (out_dir, name)
+        folder = out_dir.parent / run["folder"] if "folder" in run else out_dir
+        own = run.get("run", name)
         for path in sorted(folder.glob(f"eval/{own}.passkey.*.json"), key=lambda p: int(p.suffixes[-2][1:])):
             record = json.loads(path.read_text())
             failed = [t["answer"].split("\n")[0] for t in record["trials"] if not t["correct"]]
@@ -300,41 +301,19 @@ def failure_section(out_dir: Path, runs: dict) -> list[str]:
 
 def variants(out_dir: Path) -> dict:
     """The PoSE runs of sibling folders `<folder>_<tag>/` that this benchmark wrote with --results and one
-    fine-tuning setting changed (--lr, --steps, --window), as runs named `<run> (<tag>)`, each with its folder."""
+    fine-tuning setting changed (--lr, --steps, --window), as runs named `<run> (<tag>)`, each with its folder and own run name; every table, plot and goal shows them."""
     found = {}
     for path in sorted(out_dir.parent.glob(f"{out_dir.name}_*/results.json")):
         tag = path.parent.name.removeprefix(out_dir.name + "_")
         for name, r in json.loads(path.read_text()).get("runs", {}).items():
             if r.get("trained") and "steps" in r:
-                found[f"{name} ({tag})"] = {**r, "folder": path.parent.name}
+                found[f"{name} ({tag})"] = {**r, "folder": path.parent.name, "run": name}
     return found
 
 
-def tried_section(runs: dict) -> list[str]:
-    """The PoSE fine-tuning settings tried: this folder's runs and the variants (`variants`)."""
-    rows = {n: r for n, r in runs.items() if r.get("trained")}
-    if not any("folder" in r for r in rows.values()):
-        return []
-    lengths = sorted({int(k) for r in rows.values() for k in r.get("passkey", {})})
-    lines = ["## PoSE settings tried", "",
-             "The same benchmark with one fine-tuning setting changed (`--results benchmarks/results/<folder>`); "
-             "passkey with the same keys and depths (seed 0).", "",
-             "| run | steps | window | lr | train time (s) | " + " | ".join(f"passkey {n}" for n in lengths)
-             + " | ppl 2048 | ppl 32768 | short questions |", "|---|---|---|---|---|" + "---|" * (len(lengths) + 3)]
-    for name, r in rows.items():
-        passkey = [accuracy_cell(r["passkey"][str(n)], r["passkey_trials"][str(n)])
-                   if str(n) in r.get("passkey", {}) else "-" for n in lengths]
-        ppl, qa = r.get("ppl", {}), r.get("short_qa")
-        lines.append(f"| {name} | {r['steps']} | {r['window']} | {r['lr']:g} | {r['train_seconds']:.0f} | "
-                     + " | ".join(passkey) + " | " + " | ".join("-" if ppl.get(n) is None else f"{ppl[n]:.2f}"
-                                                               for n in ("2048", str(TARGET)))
-                     + " | " + ("-" if qa is None else f"{qa['correct']} of {qa['questions']}") + " |")
-    return lines + [""]
-
-
 def gpu_section(path: Path) -> list[str]:
-    """The report's lines for a run of the benchmark's stages on a GPU (`cuda/cuda.json`, written by hand from the
-    device's output: the device tool cannot keep a whole benchmark's state), or none."""
+    """The report's lines for a run of the benchmark's stages on a GPU (`cuda/cuda.json`, written by hand from a GPU
+    session's output, where the whole benchmark did not run), or none."""
     if not path.is_file():
         return []
     cuda = json.loads(path.read_text())
@@ -355,7 +334,7 @@ def gpu_section(path: Path) -> list[str]:
     return lines
 
 
-def report(results: dict, out_dir: Path = OUT) -> Path:
+def report(results: dict, out_dir: Path) -> Path:
     runs = results["runs"]
     lines = ["# SmolLM2-135M-Instruct, 8k -> 32k: PoSE against training-free scaling", "",
              f"Model: `{results['model']}` (original window {ORIGINAL}, target {TARGET}). Command: "
@@ -451,7 +430,6 @@ def report(results: dict, out_dir: Path = OUT) -> Path:
         lines += ["", "Effective length: " + ", ".join(f"{n}: {r['effective_length'] or 'not reached'}"
                                                          for n, r in rulers.items()), "", "![ruler](ruler.png)", ""]
     lines += failure_section(out_dir, runs)
-    lines += tried_section(runs)
     lines += gpu_section(out_dir / "cuda" / "cuda.json")
     path = out_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")

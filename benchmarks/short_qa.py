@@ -83,7 +83,7 @@ def correct(answer: str, references: list[str]) -> bool:
     return any(re.search(rf"(?<!\w){re.escape(ref)}(?!\d)", answer, re.IGNORECASE) for ref in references)
 
 
-def evaluate(name: str, gguf: Path, work: Path, max_tokens: int, results: Path = bench.OUT) -> Path:
+def evaluate(name: str, gguf: Path, work: Path, max_tokens: int, results: Path) -> Path:
     """Ask every question of run `name` (loaded as the evaluators load it); cached in
     <results>/eval/<name>.short_qa.json."""
     from pose_mlx.longctx import load_eval_model
