@@ -121,17 +121,39 @@ def finetune(name: str, gguf: Path, train: Path, work: Path, args, out_dir: Path
     return record
 
 
-def passkey(name: str, gguf: Path, work: Path, trials: dict, out_dir: Path) -> dict:
-    """Accuracy per length (one cached JSON per length: a 32k trial takes minutes)."""
-    accuracy = {}
+def passkey_file(out_dir: Path, name: str, length: int, seed: int) -> Path:
+    """The cached passkey JSON of one run, length and seed (seed 0 keeps the name the first runs wrote)."""
+    return out_dir / "eval" / f"{name}.passkey.{length}{f'.seed{seed}' if seed else ''}.json"
+
+
+def pooled_passkey(out_dir: Path, name: str) -> dict[int, dict]:
+    """Every cached passkey JSON of a run, the seeds of one length pooled: {length: {"trials": [...], "seeds": [...],
+    "accuracy": correct / trials}}."""
+    pooled = {}
+    for path in out_dir.glob(f"eval/{name}.passkey.*.json"):
+        length, _, seed = path.name.removeprefix(f"{name}.passkey.").removesuffix(".json").partition(".seed")
+        record = json.loads(path.read_text())
+        row = pooled.setdefault(int(length), {"trials": [], "seeds": []})
+        row["trials"] += record["trials"]
+        row["seeds"].append(int(seed or 0))
+    for row in pooled.values():
+        row["accuracy"] = sum(t["correct"] for t in row["trials"]) / len(row["trials"])
+        row["seeds"].sort()
+    return dict(sorted(pooled.items()))
+
+
+def passkey(name: str, gguf: Path, work: Path, trials: dict, seeds: list[int], out_dir: Path) -> dict:
+    """Accuracy per length, pooled over the seeds (one cached JSON per length and seed: a 32k trial takes minutes;
+    another seed draws other keys and filler at the same depths)."""
     for length, n in trials.items():
-        path = out_dir / "eval" / f"{name}.passkey.{length}.json"
-        if not path.is_file():
-            run(["pose_mlx.passkey", *model_args(name, gguf, work), "--lengths", str(length), "--trials", str(n),
-                 "--depths", str(n), "--seed", "0", "--output", str(path), "--no-progress"],
-                work / "logs" / f"{name}.passkey.{length}.log")
-        accuracy[str(length)] = json.loads(path.read_text())["accuracy"][0]["accuracy"]
-    return accuracy
+        for seed in seeds:
+            path = passkey_file(out_dir, name, length, seed)
+            if not path.is_file():
+                run(["pose_mlx.passkey", *model_args(name, gguf, work), "--lengths", str(length), "--trials", str(n),
+                     "--depths", str(n), "--seed", str(seed), "--output", str(path), "--no-progress"],
+                    work / "logs" / path.with_suffix(".log").name)
+    pooled = pooled_passkey(out_dir, name)
+    return {str(length): pooled[length]["accuracy"] for length in trials}
 
 
 def perplexity(name: str, gguf: Path, test: Path, work: Path, args, out_dir: Path) -> dict:
@@ -178,12 +200,13 @@ def collect_cached(results: dict, out_dir: Path) -> None:
     perplexity per length, RULER), so the report shows a benchmark that ran in parts as far as it got."""
     for name in (*TRAINING_FREE, *POSE):
         entry = {}
-        for path in sorted((out_dir / "eval").glob(f"{name}.passkey.*.json")):
-            row = json.loads(path.read_text())["accuracy"][0]
-            entry.setdefault("passkey", {})[str(row["length"])] = row["accuracy"]
-            entry.setdefault("passkey_trials", {})[str(row["length"])] = row["trials"]
-            entry.setdefault("passkey_depths", {})[str(row["length"])] = {
-                f"{t['depth']:.2f}": t["correct"] for t in json.loads(path.read_text())["trials"]}
+        for length, row in pooled_passkey(out_dir, name).items():
+            entry.setdefault("passkey", {})[str(length)] = row["accuracy"]
+            entry.setdefault("passkey_trials", {})[str(length)] = len(row["trials"])
+            entry.setdefault("passkey_seeds", {})[str(length)] = row["seeds"]
+            depths = entry.setdefault("passkey_depths", {}).setdefault(str(length), {})
+            for t in row["trials"]:  # "+" right, "." wrong, one mark per seed
+                depths[f"{t['depth']:.2f}"] = depths.get(f"{t['depth']:.2f}", "") + ("+" if t["correct"] else ".")
         for path in sorted((out_dir / "eval").glob(f"{name}.ppl.*.json")):
             row = json.loads(path.read_text())["results"][0]
             entry.setdefault("ppl", {})[str(row["length"])] = row["ppl"]
@@ -283,11 +306,10 @@ def failure_section(out_dir: Path, runs: dict) -> list[str]:
     for name, run in runs.items():
         folder = out_dir.parent / run["folder"] if "folder" in run else out_dir
         own = run.get("run", name)
-        for path in sorted(folder.glob(f"eval/{own}.passkey.*.json"), key=lambda p: int(p.suffixes[-2][1:])):
-            record = json.loads(path.read_text())
+        for length, record in pooled_passkey(folder, own).items():
             failed = [t["answer"].split("\n")[0] for t in record["trials"] if not t["correct"]]
             numberless = sum(1 for a in failed if not re.search(r"\d", a))
-            rows.setdefault(name, {})[record["lengths"][0]] = (numberless, len(failed) - numberless)
+            rows.setdefault(name, {})[length] = (numberless, len(failed) - numberless)
     lengths = sorted({n for r in rows.values() for n in r})
     if not lengths:
         return []
@@ -356,12 +378,12 @@ def report(results: dict, out_dir: Path) -> Path:
     if depth_lengths:
         lines += ["## Passkey by depth", "",
                   "Each trial's needle depth (0: right after the task line, the farthest from the question; 1: right "
-                  "before the question) and whether the answer was right (`+`) or wrong (`.`).", ""]
+                  "before the question) and whether the answer was right (`+`) or wrong (`.`), one mark per seed.", ""]
         for n in depth_lengths:
             rows = {name: r["passkey_depths"][str(n)] for name, r in runs.items() if str(n) in r.get("passkey_depths", {})}
             depths = sorted({d for row in rows.values() for d in row}, key=float)
             lines += [f"{n} tokens:", "", "| run | " + " | ".join(depths) + " |", "|---|" + "---|" * len(depths)]
-            lines += [f"| {name} | " + " | ".join({True: "+", False: ".", None: " "}[row.get(d)] for d in depths) + " |"
+            lines += [f"| {name} | " + " | ".join(row.get(d, " ") for d in depths) + " |"
                       for name, row in rows.items()]
             lines.append("")
     trained = {n: r for n, r in runs.items() if r.get("trained") and "train_seconds" in r}
@@ -464,6 +486,9 @@ def main(argv=None) -> int:
     p.add_argument("--trials", type=int, default=10, help="passkey trials per length below the target (10)")
     p.add_argument("--trials-32k-pose", type=int, default=8, help="passkey trials at 32k, PoSE runs (default 8)")
     p.add_argument("--trials-32k-free", type=int, default=4, help="passkey trials at 32k, training-free (4)")
+    p.add_argument("--passkey-seeds", default="0",
+                   help="passkey seeds, each one --trials (or --trials-32k-*) trials at the same depths with other "
+                        "keys and filler, pooled (default 0)")
     p.add_argument("--ruler-lengths", default="8192,16384,32768", help="RULER lengths")
     p.add_argument("--ruler-samples", type=int, default=2,
                    help="RULER samples per task and length (default 2: a 32k prompt takes ~5 min here)")
@@ -472,6 +497,7 @@ def main(argv=None) -> int:
     if max(args.ppl_lengths) > args.ppl_span:
         p.error(f"--ppl-span {args.ppl_span} is shorter than the longest --ppl-lengths {max(args.ppl_lengths)}")
     passkey_lengths = [int(x) for x in args.passkey_lengths.split(",")]
+    args.passkey_seeds = [int(x) for x in args.passkey_seeds.split(",")]
     work, out = args.work, args.results
     gguf = model_file()
     train, test = corpus(work, args.test_docs, args.docs)
@@ -495,7 +521,7 @@ def main(argv=None) -> int:
             trials = {n: args.trials for n in passkey_lengths if n < TARGET}
             if TARGET in passkey_lengths:
                 trials[TARGET] = args.trials_32k_pose if name in POSE else args.trials_32k_free
-            entry["passkey"] = passkey(name, gguf, work, trials, out)
+            entry["passkey"] = passkey(name, gguf, work, trials, args.passkey_seeds, out)
             save()
             entry["ppl"] = perplexity(name, gguf, test, work, args, out)
             save()
