@@ -9,14 +9,16 @@
   L x L and memory grows with the cache (linear in L). A dynamic-NTK model sets its base from the whole
   sequence's length (`pose_mlx.model.patch.use_length`), so the chunk size changes nothing.
 - `check_memory`: the planner's prediction of the longest length (`pose_mlx.memory.eval_memory`) against the
-  memory this machine offers, before any token is evaluated.
+  memory this machine offers, before any token is evaluated; `run_cost`: what the evaluation took, for its JSON.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -228,6 +230,15 @@ def check_memory(info: "EvalModel", lengths: list[int], chunk: int, force: bool 
             raise UserError(message)
         print(f"warning: {message}", file=sys.stderr)
     return described
+
+
+def run_cost(started: float) -> dict:
+    """What this invocation cost: wall seconds since `started` (a `time.perf_counter()`), the peak of MLX's
+    allocator (`mx.get_peak_memory()`, as training records it) and the process's peak resident memory, which also
+    holds what lives outside MLX (NumPy's attention tiles, the tokenizer, Python), both in GiB."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    return {"seconds": round(time.perf_counter() - started, 3), "peak_memory_gb": mx.get_peak_memory() / 2**30,
+            "max_rss_gb": rss / 2**30}
 
 
 # ---------------------------------------------------------------------------------------------------- CLI

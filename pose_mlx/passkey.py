@@ -14,6 +14,7 @@ import argparse
 import json
 import re
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -240,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 @command("pose_mlx.passkey")
 def main(argv=None) -> int:
+    started = time.perf_counter()
     args = build_parser().parse_args(argv)
     longctx.check_chunk(args.chunk)
     if args.seed < 0:
@@ -281,7 +283,7 @@ def main(argv=None) -> int:
         record = {"model": info.path, "schedule": info.schedule, "seed": args.seed, "lengths": lengths,
                   "accuracy": accuracy, "depth_accuracy": {"depths": labels, "lengths": grid_lengths,
                                                            "accuracy": np.where(np.isnan(grid), None, grid).tolist()},
-                  "trials": [asdict(t) for t in trials]}
+                  "trials": [asdict(t) for t in trials], "cost": longctx.run_cost(started)}
         out.write_text(json.dumps(record, indent=2) + "\n")
         log.remove()
         from .plots import heatmap, line_vs_length

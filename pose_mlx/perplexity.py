@@ -14,6 +14,7 @@ import argparse
 import json
 import math
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable
@@ -153,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 @command("pose_mlx.perplexity")
 def main(argv=None) -> int:
+    started = time.perf_counter()
     args = build_parser().parse_args(argv)
     longctx.check_chunk(args.chunk)
     if args.stride < 1 or args.docs < 1:
@@ -183,7 +185,8 @@ def main(argv=None) -> int:
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         record = {"model": info.path, "schedule": info.schedule, "metric": METRIC, "stride": args.stride,
-                  "documents": len(docs), "truncate": truncate, "results": [asdict(r) for r in results]}
+                  "documents": len(docs), "truncate": truncate, "results": [asdict(r) for r in results],
+                  "cost": longctx.run_cost(started)}
         out.write_text(json.dumps(record, indent=2) + "\n")
         from .plots import line_vs_length
 

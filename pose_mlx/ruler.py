@@ -290,6 +290,7 @@ def _check_arguments(args) -> list[str]:
 
 @errors.command("pose_mlx.ruler")
 def main(argv=None) -> int:
+    started = time.perf_counter()
     args = build_parser().parse_args(argv)
     tasks = _check_arguments(args)
     if args.lengths:
@@ -325,7 +326,8 @@ def main(argv=None) -> int:
           f"the references found in the output (case-insensitive), mean over samples ({run.computed_tokens}/"
           f"{run.prompt_tokens} prompt tokens computed, the rest reused from the KV cache)")
     print(format_table(run, args.threshold))
-    png = write_outputs(out, record_json(run, info, args, args.threshold, builder.fmt.chat), run)
+    record = record_json(run, info, args, args.threshold, builder.fmt.chat) | {"cost": longctx.run_cost(started)}
+    png = write_outputs(out, record, run)
     log.remove()
     print(f"wrote {out} and {png}", file=sys.stderr)
     return 0

@@ -118,3 +118,13 @@ def count_appends(monkeypatch, interrupt_after: int | None = None) -> list:
 
     monkeypatch.setattr(RecordLog, "append", append)
     return appended
+
+
+def assert_cost(record: dict, folder: Path, elapsed: float) -> None:
+    """An evaluator JSON's `cost` against independent references: no more seconds than the caller measured around
+    the command, and both memory peaks at least the model's weights (they live in MLX's memory and in the
+    process's), read from the folder's safetensors."""
+    weights = sum(v.nbytes for f in Path(folder).glob("*.safetensors") for v in mx.load(str(f)).values())
+    cost = record["cost"]
+    assert 0 < cost["seconds"] <= elapsed
+    assert cost["peak_memory_gb"] * 2**30 >= weights and cost["max_rss_gb"] * 2**30 >= weights

@@ -1,6 +1,7 @@
 """Passkey retrieval: prompt sizing, answer parsing, greedy decoding with a shared KV cache, CLI."""
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ from pose_mlx.errors import EXIT_INTERRUPTED, UserError
 
 import mlx.core as mx
 
-from _eval_helpers import count_appends, make_eval_folder
+from _eval_helpers import assert_cost, count_appends, make_eval_folder
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -107,8 +108,10 @@ def test_depth_grid_averages_hits_per_cell():
 def test_cli_end_to_end(tiny, tmp_path, capsys):
     folder = tiny[0]
     out = tmp_path / "pk.json"
+    started = time.perf_counter()
     rc = passkey.main(["--model", str(folder), "--lengths", "100,200", "--trials", "3", "--depths", "3",
                        "--output", str(out), "--no-progress"])
+    elapsed = time.perf_counter() - started
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     assert "| 100 |" in captured.out and "| 200 |" in captured.out
@@ -118,6 +121,7 @@ def test_cli_end_to_end(tiny, tmp_path, capsys):
     for acc in record["accuracy"]:
         hits = [t["correct"] for t in record["trials"] if t["length"] == acc["length"]]
         assert acc["accuracy"] == pytest.approx(np.mean(hits))
+    assert_cost(record, folder, elapsed)
     assert (tmp_path / "pk_accuracy.png").stat().st_size > 1000
     assert (tmp_path / "pk_heatmap.png").stat().st_size > 1000
 

@@ -1,6 +1,7 @@
 """Sliding-window perplexity: window plan, agreement with a hand-computed NLL, and the CLI."""
 
 import json
+import time
 import math
 
 import numpy as np
@@ -11,7 +12,7 @@ from pose_mlx import perplexity as ppl
 import mlx.core as mx
 
 from conftest import build_model
-from _eval_helpers import make_eval_folder
+from _eval_helpers import assert_cost, make_eval_folder
 
 
 @pytest.mark.parametrize("window", [8, 9, 33])
@@ -94,14 +95,17 @@ def _corpus(tmp_path, n_docs=3, sentences=40):
 def test_cli_writes_table_json_and_plot(folder, tmp_path, capsys):
     data = _corpus(tmp_path)
     out = tmp_path / "res" / "ppl.json"
+    started = time.perf_counter()
     rc = ppl.main(["--model", str(folder), "--data", str(data), "--lengths", "32,64", "--stride", "16",
                    "--docs", "2", "--output", str(out), "--no-progress"])
+    elapsed = time.perf_counter() - started
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     assert "token-weighted" in captured.out and "| 32 | 64 |" in captured.out
     record = json.loads(out.read_text())
     assert [r["length"] for r in record["results"]] == [32, 64]
     assert all(r["tokens"] == 2 * 63 and r["ppl"] > 1 for r in record["results"])  # same tokens at each length
+    assert_cost(record, folder, elapsed)
     assert out.with_suffix(".png").stat().st_size > 1000
 
 

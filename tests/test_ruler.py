@@ -2,6 +2,7 @@
 effective length, the evaluator end to end, and bad input through the command line."""
 
 import json
+import time
 import re
 from collections import Counter
 from pathlib import Path
@@ -14,7 +15,7 @@ from pose_mlx.errors import UserError
 
 import mlx.core as mx
 
-from _eval_helpers import count_appends, make_eval_folder
+from _eval_helpers import assert_cost, count_appends, make_eval_folder
 
 NIAH = [t for t in rt.TASKS if t.startswith("niah")]
 CHAT_TEMPLATE = ("{% for m in messages %}<s>user: {{ m['content'] }}\n{% endfor %}"
@@ -363,13 +364,16 @@ def test_cli_writes_json_heatmap_and_table(tiny, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     argv = ["--model", str(tiny[0]), "--lengths", "1500,2k", "--tasks", "niah_single_1,vt", "--samples", "2",
             "--max-new-tokens", "4", "--no-progress"]
+    started = time.perf_counter()
     assert ruler.main(argv) == 0
+    elapsed = time.perf_counter() - started
     captured = capsys.readouterr()
     out = tmp_path / "ruler-tiny.json"  # the default path, announced on stderr
     assert f"wrote {out.name}" in captured.err
     record = json.loads(out.read_text())
     assert (tmp_path / "ruler-tiny_heatmap.png").stat().st_size > 1000
     assert record["lengths"] == [1500, 2048] and record["tasks"] == ["niah_single_1", "vt"]
+    assert_cost(record, tiny[0], elapsed)
     assert record["threshold"] == 0.856 and record["effective_length"] is None and not record["chat_template"]
     assert len(record["records"]) == 8 and len(record["results"]) == 4
     for result in record["results"]:
