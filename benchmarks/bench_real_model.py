@@ -321,6 +321,29 @@ def failure_section(out_dir: Path, runs: dict) -> list[str]:
     return lines + [""]
 
 
+def cost_section(out_dir: Path, runs: dict) -> list[str]:
+    """The cost of every evaluation that recorded one (`cost` in its JSON: the commands write it since this
+    benchmark's later stages), per run: wall seconds, MLX's peak memory and the process's peak resident memory."""
+    rows = []
+    for name, run in runs.items():
+        folder = out_dir.parent / run["folder"] if "folder" in run else out_dir
+        own = run.get("run", name)
+        for path in sorted(folder.glob(f"eval/{own}.*.json")):
+            cost = json.loads(path.read_text()).get("cost")
+            if cost:
+                what = path.name.removeprefix(f"{own}.").removesuffix(".json")
+                rows.append(f"| {name} | {what} | {cost['seconds']:.0f} | {cost['peak_memory_gb']:.2f} | "
+                            f"{cost['max_rss_gb']:.2f} |")
+    if not rows:
+        return []
+    return ["## Cost of evaluation", "",
+            "Wall time of the command on this 2-core CPU (shared with other work, so an upper bound), the peak of "
+            "MLX's memory, and the process's peak resident memory (weights dequantized to float32, the KV cache, "
+            "NumPy's attention tiles, Python), in GiB. Evaluations cached before the commands recorded their "
+            "cost are not listed.", "",
+            "| run | evaluation | seconds | MLX peak | process peak |", "|---|---|---|---|---|", *rows, ""]
+
+
 def variants(out_dir: Path) -> dict:
     """The PoSE runs of sibling folders `<folder>_<tag>/` that this benchmark wrote with --results and one
     fine-tuning setting changed (--lr, --steps, --window), as runs named `<run> (<tag>)`, each with its folder and own run name; every table, plot and goal shows them."""
@@ -373,6 +396,11 @@ def report(results: dict, out_dir: Path) -> Path:
                 cells = [c if c == "-" else accuracy_cell(r["passkey"][str(n)], r["passkey_trials"][str(n)])
                          for c, n in zip(cells, lengths)]
             lines.append(f"| {name} | {'yes' if r.get('trained') else 'no'} | " + " | ".join(cells) + " |")
+        pooled = [f"{name} at {n}: seeds {', '.join(map(str, seeds))}" for name, r in runs.items()
+                  for n, seeds in r.get("passkey_seeds", {}).items() if key == "passkey" and len(seeds) > 1]
+        if pooled:  # trials added with another seed (other keys and filler at the same depths)
+            lines += ["", "Trials of several seeds pooled (the same depths, other keys and filler): "
+                      + "; ".join(pooled) + "."]
         lines += ["", f"![{key}]({key}.png)", ""]
     depth_lengths = sorted({int(n) for r in runs.values() for n in r.get("passkey_depths", {})})
     if depth_lengths:
@@ -452,6 +480,7 @@ def report(results: dict, out_dir: Path) -> Path:
         lines += ["", "Effective length: " + ", ".join(f"{n}: {r['effective_length'] or 'not reached'}"
                                                          for n, r in rulers.items()), "", "![ruler](ruler.png)", ""]
     lines += failure_section(out_dir, runs)
+    lines += cost_section(out_dir, runs)
     lines += gpu_section(out_dir / "cuda" / "cuda.json")
     path = out_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
