@@ -344,6 +344,23 @@ def cost_section(out_dir: Path, runs: dict) -> list[str]:
             "| run | evaluation | seconds | MLX peak | process peak |", "|---|---|---|---|---|", *rows, ""]
 
 
+def window_section(path: Path) -> list[str]:
+    """The report's lines for `window_cost.json` (`bench_real_model_window.py`): what an update costs at each
+    training window, against the 2 h fine-tuning budget; none when it has not run."""
+    if not path.is_file():
+        return []
+    record = json.loads(path.read_text())
+    lines = ["## The training window (`benchmarks/bench_real_model_window.py`)", "",
+             f"PoSE + YaRN LoRA updates as the fine-tuning runs make them, {record['steps']} per window side by side "
+             f"in one run (the first, which compiles, not timed; load average {record['load_average_1min']:.1f} at "
+             "the end); the fine-tuning budget is 2 h for 200 updates.", "",
+             "| window | s / update | time vs the first | peak memory (GB) | 200 updates (min) |", "|---|---|---|---|---|"]
+    for window, w in record["windows"].items():
+        lines.append(f"| {window} | {w['seconds_per_update']:.1f} | {w['time_vs_first']:.2f}x | "
+                     f"{w['peak_memory_gb']:.2f} | {w['minutes_for_200_updates']:.0f} |")
+    return lines + [""]
+
+
 def variants(out_dir: Path) -> dict:
     """The PoSE runs of sibling folders `<folder>_<tag>/` that this benchmark wrote with --results and one
     fine-tuning setting changed (--lr, --steps, --window), as runs named `<run> (<tag>)`, each with its folder and own run name; every table, plot and goal shows them."""
@@ -481,6 +498,7 @@ def report(results: dict, out_dir: Path) -> Path:
                                                          for n, r in rulers.items()), "", "![ruler](ruler.png)", ""]
     lines += failure_section(out_dir, runs)
     lines += cost_section(out_dir, runs)
+    lines += window_section(out_dir / "window_cost.json")
     lines += gpu_section(out_dir / "cuda" / "cuda.json")
     path = out_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
