@@ -51,8 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=str(PRETRAINED),
                    help="base model folder (default: the simulator's pre-trained model shipped with pose_mlx)")
     p.add_argument("--factor", type=int, default=8, help="extension factor: target = factor * Lc (default 8)")
-    p.add_argument("--steps", type=int, default=100, help="fine-tuning updates (default 100)")
-    p.add_argument("--batch-size", type=int, default=16, help="Lc-token sequences per update (default 16)")
+    p.add_argument("--steps", type=int, default=150, help="fine-tuning updates (default 150, as the simulator's grid)")
+    p.add_argument("--batch-size", type=int, default=32,
+                   help="Lc-token sequences per update (default 32, as the simulator's grid)")
     p.add_argument("--lr", type=float, default=2e-4, help="peak learning rate (default 2e-4, as the simulator)")
     p.add_argument("--test-docs", type=int, default=4, help="held-out test documents (default 4)")
     p.add_argument("--train-docs", type=int, default=None, help="training documents (default: all the others)")
