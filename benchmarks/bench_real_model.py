@@ -89,6 +89,17 @@ def model_args(name: str, gguf: Path, work: Path) -> list[str]:
     return args if name == "none" else args + ["--schedule", name, "--target", str(TARGET)]
 
 
+def finetune_command(schedule: str, gguf: Path, train: Path, work: Path, out: Path, *, window: int, steps: int,
+                     lr: float, rank: int) -> list[str]:
+    """The `pose_mlx.finetune` command of a fresh PoSE LoRA run as this benchmark trains one: 8k -> 32k from the
+    GGUF, one window per update, warm-up a twentieth of the updates, seed 0."""
+    return ["pose_mlx.finetune", "--model", str(gguf), "--original", str(ORIGINAL), "--target", str(TARGET),
+            "--schedule", schedule, "--sampler", "pose", "--window", str(window), "--data", str(train),
+            "--cache-dir", str(work / "cache"), "--lora-rank", str(rank), "--lr", str(lr), "--steps", str(steps),
+            "--warmup", str(max(1, steps // 20)), "--batch-size", "1", "--no-fuse", "--no-progress",
+            "--seed", "0", "--output", str(out)]
+
+
 def finetune(name: str, gguf: Path, train: Path, work: Path, args, out_dir: Path) -> dict:
     """LoRA PoSE fine-tuning of one run (resumable); returns its training record."""
     out = work / "runs" / name
@@ -99,12 +110,9 @@ def finetune(name: str, gguf: Path, train: Path, work: Path, args, out_dir: Path
     if (partial / "run.json").is_file():
         cmd = ["pose_mlx.finetune", "--resume", "--output", str(out), "--no-progress"]
     else:
-        cmd = ["pose_mlx.finetune", "--model", str(gguf), "--original", str(ORIGINAL), "--target", str(TARGET),
-               "--schedule", name.removeprefix("pose-"), "--sampler", "pose", "--window", str(args.window),
-               "--data", str(train), "--cache-dir", str(work / "cache"), "--lora-rank", str(args.lora_rank),
-               "--lr", str(args.lr), "--steps", str(args.steps), "--warmup", str(max(1, args.steps // 20)),
-               "--batch-size", "1", "--save-every", "10", "--no-fuse", "--no-progress", "--output", str(out),
-               "--seed", "0", "--eval-every", str(max(1, args.steps // 5)), "--eval-batches", "4",
+        cmd = [*finetune_command(name.removeprefix("pose-"), gguf, train, work, out, window=args.window,
+                                 steps=args.steps, lr=args.lr, rank=args.lora_rank),
+               "--save-every", "10", "--eval-every", str(max(1, args.steps // 5)), "--eval-batches", "4",
                *(["--no-compile"] if args.no_compile else [])]
     seconds = run(cmd, work / "logs" / f"{name}.finetune.log")
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines() if line.strip()]
@@ -206,7 +214,8 @@ def collect_cached(results: dict, out_dir: Path) -> None:
             entry.setdefault("passkey_seeds", {})[str(length)] = row["seeds"]
             depths = entry.setdefault("passkey_depths", {}).setdefault(str(length), {})
             for t in row["trials"]:  # "+" right, "." wrong, one mark per seed
-                depths[f"{t['depth']:.2f}"] = depths.get(f"{t['depth']:.2f}", "") + ("+" if t["correct"] else ".")
+                depth = f"{t['depth']:.2f}"
+                depths[depth] = depths.get(depth, "") + ("+" if t["correct"] else ".")
         for path in sorted((out_dir / "eval").glob(f"{name}.ppl.*.json")):
             row = json.loads(path.read_text())["results"][0]
             entry.setdefault("ppl", {})[str(row["length"])] = row["ppl"]
@@ -304,8 +313,7 @@ def failure_section(out_dir: Path, runs: dict) -> list[str]:
     did not retrieve: "the pass key.", "a special type of key") or a wrong number (it copied, wrongly)."""
     rows = {}
     for name, run in runs.items():
-        folder = out_dir.parent / run["folder"] if "folder" in run else out_dir
-        own = run.get("run", name)
+        folder, own = run_source(out_dir, name, run)
         for length, record in pooled_passkey(folder, own).items():
             failed = [t["answer"].split("\n")[0] for t in record["trials"] if not t["correct"]]
             numberless = sum(1 for a in failed if not re.search(r"\d", a))
@@ -321,13 +329,17 @@ def failure_section(out_dir: Path, runs: dict) -> list[str]:
     return lines + [""]
 
 
+def run_source(out_dir: Path, name: str, run: dict) -> tuple[Path, str]:
+    """The results folder and own run name of a report row: a variant's sibling folder and name, else these."""
+    return (out_dir.parent / run["folder"], run["run"]) if "folder" in run else (out_dir, name)
+
+
 def cost_section(out_dir: Path, runs: dict) -> list[str]:
     """The cost of every evaluation that recorded one (`cost` in its JSON: the commands write it since this
     benchmark's later stages), per run: wall seconds, MLX's peak memory and the process's peak resident memory."""
     rows = []
     for name, run in runs.items():
-        folder = out_dir.parent / run["folder"] if "folder" in run else out_dir
-        own = run.get("run", name)
+        folder, own = run_source(out_dir, name, run)
         for path in sorted(folder.glob(f"eval/{own}.*.json")):
             cost = json.loads(path.read_text()).get("cost")
             if cost:

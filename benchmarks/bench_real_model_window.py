@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_real_model import DOCS, ORIGINAL, OUT, TARGET, corpus, model_file, run  # noqa: E402
+from bench_real_model import DOCS, OUT, corpus, finetune_command, model_file, run  # noqa: E402
 from common import write_results  # noqa: E402
 
 
@@ -32,11 +32,8 @@ def main(argv=None) -> int:
     windows = {}
     for window in (int(w) for w in args.windows.split(",")):
         out = args.work / "window_cost" / str(window)
-        run(["pose_mlx.finetune", "--model", str(gguf), "--original", str(ORIGINAL), "--target", str(TARGET),
-             "--schedule", "yarn", "--sampler", "pose", "--window", str(window), "--data", str(train),
-             "--cache-dir", str(args.work / "cache"), "--lora-rank", "16", "--lr", "3e-5", "--steps",
-             str(args.steps), "--warmup", "1", "--batch-size", "1", "--no-fuse", "--no-progress", "--seed", "0",
-             "--output", str(out), "--overwrite"], args.work / "logs" / f"window_cost.{window}.log")
+        run([*finetune_command("yarn", gguf, train, args.work, out, window=window, steps=args.steps, lr=3e-5,
+                               rank=16), "--overwrite"], args.work / "logs" / f"window_cost.{window}.log")
         log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines() if line.strip()]
         seconds = statistics.median(r["seconds"] for r in log[1:])
         windows[str(window)] = {"seconds_per_update": seconds, "all_seconds": [r["seconds"] for r in log],
