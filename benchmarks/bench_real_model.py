@@ -556,7 +556,12 @@ def main(argv=None) -> int:
     if max(args.ppl_lengths) > args.ppl_span:
         p.error(f"--ppl-span {args.ppl_span} is shorter than the longest --ppl-lengths {max(args.ppl_lengths)}")
     passkey_lengths = [int(x) for x in args.passkey_lengths.split(",")]
-    args.passkey_seeds = [int(x) for x in args.passkey_seeds.split(",")]
+    try:
+        args.passkey_seeds = [int(x) for x in args.passkey_seeds.split(",")]
+    except ValueError:
+        p.error(f"--passkey-seeds: a comma-separated list of integers, got {args.passkey_seeds!r}")
+    if min(args.passkey_seeds) < 0:
+        p.error(f"--passkey-seeds: seeds are >= 0, got {args.passkey_seeds}")
     work, out = args.work, args.results
     gguf = model_file()
     train, test = corpus(work, args.test_docs, args.docs)
