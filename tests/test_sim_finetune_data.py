@@ -110,3 +110,19 @@ def test_window_nll_matches_a_full_forward(small):
             logp = np.array(mx.log(mx.softmax(model(mx.array(ids[None]))[0].astype(mx.float32), axis=-1)))
             expected.append(-logp[np.arange(31), ids[1:]])
     np.testing.assert_allclose(got, np.stack(expected), rtol=1e-4, atol=1e-4)
+
+
+def test_rewriting_the_same_documents_keeps_the_corpus_fingerprint(small, tmp_path):
+    """An interrupted pre-training regenerates its retrieval documents on rerun; the data stream may only resume
+    if the tokenized corpus keeps its fingerprint, which hashes the file's mtime."""
+    from pose_mlx.sim.corpus import write_jsonl
+
+    _, tokenizer = small
+    path = tmp_path / "docs" / "retrieval.jsonl"
+    texts = ["The alpha is 12345. What is the alpha? 12345."] * 3
+    first = tokenize_corpus(write_jsonl(path, texts), tokenizer, tmp_path / "cache", 1, progress=False)
+    mtime = path.stat().st_mtime_ns
+    again = tokenize_corpus(write_jsonl(path, list(texts)), tokenizer, tmp_path / "cache", 1, progress=False)
+    assert path.stat().st_mtime_ns == mtime and again.fingerprint == first.fingerprint
+    other = tokenize_corpus(write_jsonl(path, texts[:2]), tokenizer, tmp_path / "cache", 1, progress=False)
+    assert other.fingerprint != first.fingerprint and other.num_docs == 2

@@ -125,7 +125,11 @@ def build_corpus(folder: Path, source: str | None, max_chars: int | None, test_d
 
 
 def write_jsonl(path: Path, texts: list[str]) -> Path:
-    """One .jsonl document per line (field 'text'), the format `pose_mlx.training.data` reads."""
+    """One .jsonl document per line (field 'text'), the format `pose_mlx.training.data` reads. A file that
+    already holds exactly these documents is left untouched: its mtime is part of the tokenized corpus's
+    fingerprint, so rewriting it would stop an interrupted pre-training from resuming."""
+    content = "".join(json.dumps({"text": t}) + "\n" for t in texts)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    if not (path.is_file() and path.stat().st_size == len(content.encode()) and path.read_text() == content):
+        path.write_text(content)
     return path
