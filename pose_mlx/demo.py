@@ -26,8 +26,9 @@ from pathlib import Path
 
 from . import finetune, passkey, perplexity, toy
 from .errors import ArgumentParser, UserError, command
+from .sim import SHIPPED_BASE
 
-PRETRAINED = Path(__file__).resolve().parent / "sim" / "pretrained"
+PRETRAINED = SHIPPED_BASE
 
 
 def write_corpus(folder: Path, test_docs: int, train_docs: int | None, min_chars: int) -> tuple[Path, Path]:

@@ -160,6 +160,51 @@ def invented_library(tmp_path_factory):
     return root
 
 
+def test_a_base_made_alike_replaces_the_pre_training(quick, tmp_path, capsys):
+    """--pretrained: a base made with the same settings on the same corpus is copied in, not re-trained; one made
+    otherwise is a one-line error (exit 2); the shipped base, made otherwise, leaves the run to pre-train."""
+    out = tmp_path / "again"
+    assert sim.main(["--quick", "--prose", "auto", "--out", str(out), "--pretrained", str(quick / "pretrained")]) == 0
+    assert "pretrain: the base in" in capsys.readouterr().out
+    assert not (out / "pretrained.partial").exists()
+    assert (out / "pretrained" / "model.safetensors").read_bytes() == (quick / "pretrained" /
+                                                                        "model.safetensors").read_bytes()
+    record = json.loads((out / "pretrained" / "pretrain.json").read_text())
+    assert record.pop("reused_from") == str(quick / "pretrained")
+    assert record == json.loads((quick / "pretrained" / "pretrain.json").read_text())
+    assert json.loads((out / "gates.json").read_text()) == json.loads((quick / "gates.json").read_text())
+    results = json.loads((out / "results.json").read_text())
+    assert "pretrain" not in results["stage_seconds"] and results["stages_without_time"] == []
+    assert f"copied from `{quick / 'pretrained'}`" in (out / "report.md").read_text()
+    made = json.loads((quick / "pretrained" / "pretrain.json").read_text())["made_with"]
+    assert made["settings"]["hidden"] == 32 and len(made["corpus"]) == 64
+
+    other = tmp_path / "other"
+    assert sim.main(["--quick", "--prose", "auto", "--hidden", "48", "--out", str(other),
+                     "--pretrained", str(quick / "pretrained")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"pose_mlx.sim: error: --pretrained {quick / 'pretrained'}: it was made with hidden = 32, "
+                   "this run has 48"]
+    assert not (other / "pretrained").exists()
+    assert sim.main(["--quick", "--pretrained", str(tmp_path / "missing"), "--out", str(other)]) == 2
+    assert capsys.readouterr().err.startswith(f"pose_mlx.sim: error: --pretrained {tmp_path / 'missing'}: not a")
+
+
+def test_corpus_fingerprint_is_the_content_not_the_place(tmp_path):
+    from pose_mlx.sim.pretrain import corpus_fingerprint
+
+    for name in ("a", "b"):
+        (tmp_path / name / "train").mkdir(parents=True)
+        (tmp_path / name / "train" / "00000.txt").write_text("some text")
+        (tmp_path / name / "corpus.json").write_text("{}")
+    assert corpus_fingerprint(tmp_path / "a") == corpus_fingerprint(tmp_path / "b")
+    (tmp_path / "b" / "train" / "00000.txt").write_text("some text!")
+    assert corpus_fingerprint(tmp_path / "a") != corpus_fingerprint(tmp_path / "b")
+    (tmp_path / "b" / "train" / "00000.txt").rename(tmp_path / "b" / "train" / "00001.txt")
+    (tmp_path / "b" / "train" / "00001.txt").write_text("some text")
+    assert corpus_fingerprint(tmp_path / "a") != corpus_fingerprint(tmp_path / "b")
+
+
 def test_corpus_reads_every_text_file_whatever_its_name(invented_library):
     from pose_mlx.sim.corpus import corpus_files
 

@@ -5,3 +5,8 @@ corpus (`corpus`) -> pre-training at Lc (`pretrain`) -> the grid of fine-tuning 
 `pose_mlx.finetune.main` (`grid`) -> evaluation through `pose_mlx.perplexity.main` / `pose_mlx.passkey.main`
 (`grid`) -> claims (`claims`) -> report.md, results.json, PNGs (`report`).
 """
+
+from pathlib import Path
+
+#: The base shipped with the package: the demo's model, and the pre-training stage of a run it matches.
+SHIPPED_BASE = Path(__file__).resolve().parent / "pretrained"

@@ -8,13 +8,14 @@ import sys
 import time
 from pathlib import Path
 
+from . import SHIPPED_BASE
 from . import corpus as corpus_mod
 from . import finetune_data, gates, position_nll
 from .claims import check_claims, seed_statistics
 from .config import SimConfig, parse_config
 from .grid import (RULER_RUNS, RULER_TASKS, Run, collect, evaluate_passkey, evaluate_perplexity, evaluate_ruler,
                    finetune_args, grid_runs, passkey_template_tokens, ruler_lengths, run_finetune)
-from .pretrain import pretrain
+from .pretrain import made_with, pretrain, reuse_base
 from .report import plots, write_report
 from .stages import Stages
 from ..errors import UserError, command
@@ -127,6 +128,19 @@ def _position_curves(stages: Stages, config: SimConfig, runs: list[Run], out: Pa
     return curves
 
 
+def _use_pretrained(pretrained: str, model: Path, made: dict) -> None:
+    """--pretrained: copy the base it names to `model` when it was `made` alike, so the pre-training stage is
+    cached; a folder that does not match is the user's error, the shipped base that does not is skipped."""
+    source = SHIPPED_BASE if pretrained == "shipped" else Path(pretrained)
+    why_not = reuse_base(source, model, made)
+    if why_not is None:
+        print(f"pretrain: the base in {source} was made with these settings on this corpus; using it", flush=True)
+    elif pretrained == "shipped":
+        print(f"pretrain: not using the shipped base ({why_not})", flush=True)
+    else:
+        raise UserError(f"--pretrained {source}: {why_not}")
+
+
 @command("pose_mlx.sim")
 def main(argv=None) -> int:
     t0 = time.perf_counter()
@@ -152,11 +166,16 @@ def main(argv=None) -> int:
     tokenizer = corpus_mod._hf_tokenizer(data / "tokenizer")
     model = out / "pretrained"
 
+    made = made_with(config.to_dict(), data)
+    if not (model / "pretrain.json").is_file() and config.pretrained != "none":
+        _use_pretrained(config.pretrained, model, made)
+
     def do_pretrain():
         pretrain(model, data / "tokenizer", data / "train", data / "val", cache,
                  retrieval_fraction=config.retrieval_fraction, window=config.window, base=config.base,
                  hidden=config.hidden, layers=config.layers, heads=config.heads, ffn=config.ffn,
-                 steps=config.pretrain_steps, batch=config.pretrain_batch, lr=config.pretrain_lr, seed=config.seed)
+                 steps=config.pretrain_steps, batch=config.pretrain_batch, lr=config.pretrain_lr, seed=config.seed,
+                 made=made)
 
     stages.run("pretrain", lambda: (model / "pretrain.json").is_file(), do_pretrain)
     gates_json = out / "gates.json"
@@ -227,7 +246,8 @@ def main(argv=None) -> int:
     results["wall_seconds"] = staged + this_process - stages.seconds  # every stage once, plus this run's own rest
     results["wall_seconds_this_process"] = this_process
     results["stage_seconds"] = {n: stages.times[n] for n in stages.weights if n in stages.times}
-    results["stages_without_time"] = unrecorded
+    reused = "reused_from" in results["pretrain"]  # a base copied in: its pre-training is no stage of this run
+    results["stages_without_time"] = [n for n in unrecorded if not (reused and n == "pretrain")]
     pngs = plots(results, out)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     report = write_report(results, out, pngs)

@@ -40,6 +40,7 @@ class SimConfig:
     pretrain_batch: int = 32
     pretrain_lr: float = 1e-3
     retrieval_fraction: float = 0.5  # share of pre-training sequences that are synthetic retrieval documents
+    pretrained: str = "shipped"  # base used instead of pre-training when made alike: shipped, none, or a folder
     steps: int = 150  # fine-tuning updates per grid run
     full_batch: int = 4  # full-length sequences per update; window methods use full_batch * Lt / Lc
     lr: float = 2e-4
@@ -124,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
         "pretrain_lr": "peak pre-training learning rate",
         "retrieval_fraction": "share of pre-training sequences that are synthetic retrieval documents (needles, "
                               "lookup tables, repeated runs; never the passkey test's wording)",
+        "pretrained": "a pre-trained base that replaces the pre-training stage when it was made with this run's "
+                      "settings on this corpus (its pretrain.json records both): 'shipped' (default: the base in "
+                      "pose_mlx/sim/pretrained, used only when it matches, else the run pre-trains), a folder (an "
+                      "earlier run's <out>/pretrained; an error if it does not match), or 'none' (always pre-train)",
         "steps": "fine-tuning updates of every grid run",
         "full_batch": "full-length sequences per update; window methods use full_batch * Lt / Lc so that "
                       "every grid run trains on the same number of tokens (cost runs: full_batch for both)",
@@ -139,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "run on Original, PoSE + linear and PoSE + YaRN",
         "seed": "seed of the corpus split, initialisation, data sampling and passkey keys",
     }
-    extra = {"corpus": "", "prose": "", "corpus_chars": "", "rope_base": ""}  # their help states the default
+    extra = {"corpus": "", "prose": "", "corpus_chars": "", "rope_base": "", "pretrained": ""}  # their help states the default
     for f in fields(SimConfig):
         kind = {"int": int, "float": float}.get(str(f.type), str)
         if f.name in ("corpus_chars", "rope_base"):
@@ -170,6 +175,9 @@ def parse_config(argv=None) -> SimConfig:
         raise ValueError(f"--finetune-retrieval must be in [0, 1), got {config.finetune_retrieval}")
     if config.prose not in ("auto", "none") and not Path(config.prose).is_dir():
         raise ValueError(f"--prose {config.prose}: not a folder (or use auto / none)")
+    if config.pretrained not in ("shipped", "none") and not (Path(config.pretrained) / "pretrain.json").is_file():
+        raise ValueError(f"--pretrained {config.pretrained}: not a pre-trained base (no pretrain.json; or use "
+                         "shipped / none)")
     if config.eval_docs > config.test_docs:
         raise ValueError(f"--eval-docs ({config.eval_docs}) must be <= --test-docs ({config.test_docs})")
     if config.test_tokens < config.target:

@@ -10,6 +10,11 @@ document's prefix, so every part of a file is trainable); each example is one bl
 join them, so a share f of the sequences drawn are retrieval tasks with their answers (none when Lc cannot hold
 one). Checkpoints live in `<folder>.partial/`, so an interrupted pre-training
 resumes; the finished model is written to `<folder>`.
+
+A base records what made it (`made_with`: the settings in BASE_SETTINGS and `corpus_fingerprint` of the corpus
+stage's folder) in its pretrain.json; `reuse_base` copies a base made with the same settings on the same corpus
+into place of the pre-training, so a base pre-trained once (the one shipped in `pose_mlx/sim/pretrained`) serves
+every later run.
 """
 
 from __future__ import annotations
@@ -64,10 +69,55 @@ def block_corpus(corpora: list[TokenizedCorpus], window: int, max_blocks: list[i
     return TokenizedCorpus(tokens, offsets, np.arange(len(offsets) - 1), key, {"window": window, "bos": bos})
 
 
+#: SimConfig settings (`to_dict()` keys) that decide the pre-trained base, besides the corpus itself.
+BASE_SETTINGS = ("window", "base", "hidden", "layers", "heads", "ffn", "pretrain_steps", "pretrain_batch",
+                 "pretrain_lr", "retrieval_fraction", "seed")
+
+
+def corpus_fingerprint(data: Path) -> str:
+    """sha256 over every file of the corpus stage's folder `data` (its path relative to `data`, then its bytes):
+    the training text, the splits and the tokenizer a base was made with."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in Path(data).rglob("*") if p.is_file()):
+        digest.update(path.relative_to(data).as_posix().encode() + b"\0")
+        digest.update(hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()
+
+
+def made_with(settings: dict, data: Path) -> dict:
+    """What decides a base: the BASE_SETTINGS of `settings` (a SimConfig.to_dict()) and the corpus fingerprint."""
+    return {"settings": {k: settings[k] for k in BASE_SETTINGS}, "corpus": corpus_fingerprint(data)}
+
+
+def reuse_base(source: Path, folder: Path, wanted: dict) -> str | None:
+    """Copy the finished base `source` to `folder` if its pretrain.json's `made_with` equals `wanted` (the copy's
+    pretrain.json adds `reused_from`); returns None when copied, else why not (the first setting that differs,
+    or the corpus)."""
+    record = Path(source) / "pretrain.json"
+    if not record.is_file():
+        return f"{source} is not a pre-trained base (no pretrain.json)"
+    have = json.loads(record.read_text()).get("made_with")
+    if have is None:
+        return f"{source}/pretrain.json does not record what made it ('made_with')"
+    for key, value in wanted["settings"].items():
+        if have["settings"].get(key) != value:
+            return f"it was made with {key} = {have['settings'].get(key)}, this run has {value}"
+    if have["corpus"] != wanted["corpus"]:
+        return "it was made on another corpus (the corpus stage's files differ)"
+    temp = Path(folder).with_name(Path(folder).name + ".tmp")
+    shutil.rmtree(temp, ignore_errors=True)
+    shutil.copytree(source, temp)
+    (temp / "pretrain.json").write_text(json.dumps({**json.loads(record.read_text()), "reused_from": str(source)},
+                                                   indent=1) + "\n")
+    temp.rename(folder)
+    return None
+
+
 def pretrain(folder: Path, tokenizer_dir: Path, train_dir: Path, val_dir: Path, cache_dir: Path, *,
              retrieval_fraction: float, window: int, base: float, hidden: int, layers: int, heads: int, ffn: int,
-             steps: int, batch: int, lr: float, seed: int, progress: bool = False) -> dict:
-    """Pre-train and write the model folder `folder` (loads with mlx_lm.load); returns pretrain.json's record."""
+             steps: int, batch: int, lr: float, seed: int, progress: bool = False, made: dict | None = None) -> dict:
+    """Pre-train and write the model folder `folder` (loads with mlx_lm.load); returns pretrain.json's record,
+    which holds `made` (`made_with`'s record) when given."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm import load
@@ -113,6 +163,8 @@ def pretrain(folder: Path, tokenizer_dir: Path, train_dir: Path, val_dir: Path, 
               "retrieval_blocks": blocks.num_docs - text_blocks, "final_loss": last["loss"], "val_loss": val_loss,
               "val_ppl": float(np.exp(val_loss)), "seconds": float(sum(r["seconds"] for r in log)),
               "parameters": int(sum(v.size for _, v in tree_flatten(model.parameters())))}
+    if made is not None:
+        record["made_with"] = made
     mx.eval(model.parameters())
     temp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(temp, ignore_errors=True)

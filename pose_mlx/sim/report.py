@@ -171,6 +171,10 @@ def _wall_time(results: dict) -> str:
     if missing:
         text += (f" {len(missing)} stages ran before their times were kept, so the whole run took longer than "
                  "that.")
+    pre = results["pretrain"]
+    if "reused_from" in pre:
+        text += (f" Not counted: pre-training, whose base was copied from `{pre['reused_from']}` (made with these "
+                 f"settings on this corpus; its pre-training took {pre['seconds'] / 60:.0f} min).")
     return text
 
 
