@@ -91,8 +91,8 @@ def main(argv=None) -> int:
                  retrieval_fraction=args.retrieval_fraction, window=defaults.window, base=defaults.base,
                  hidden=args.hidden, layers=args.layers, heads=args.heads, ffn=args.ffn, steps=args.steps,
                  batch=defaults.pretrain_batch, lr=defaults.pretrain_lr, seed=defaults.seed)
-    record = gates.measure(model, data / "train", data / "test", work / "cache", defaults.window, defaults.seed,
-                           work / f"{name}.passkey.json")
+    record = gates.measure(model, data / "train", data / "test", work / "cache", defaults.window, defaults.target,
+                           defaults.seed, work / f"{name}.passkey.json")
     record.update(renamed_passkey=renamed_passkey(model, defaults.window), settings=vars(args), pretrain=json.loads((model / "pretrain.json").read_text()),
                   wall_seconds=time.time() - t0)
     path = write_results(name, record, RESULTS_DIR / "sim_base" / f"{name}.json")

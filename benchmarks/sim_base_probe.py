@@ -1,11 +1,9 @@
 """How does the simulator's base model change over its pre-training? Probe a pre-training checkpoint (or the
 finished base) of a `python -m pose_mlx.sim` output folder: its gates (`pose_mlx.sim.gates.measure`: passkey at
-Lc over 50 trials, unigram and no-context perplexity, attention-sink share) and Original's sliding-window
-perplexity at Lc ... 8 Lc (`pose_mlx.perplexity`, the grid's stride and documents), whose largest ratio to the
-perplexity at Lc is claim (a)'s measure (it needs >= 10x, or above the unigram perplexity); and where the
-attention of the last Lc / 2 queries of an 8 Lc window goes (`far_attention`): a model that dilutes spreads some
-weight over the unseen distances (>= Lc) with logits no larger than at seen ones; one that breaks down finds its
-largest logits at unseen distances.
+Lc over 50 trials, unigram and no-context perplexity, attention-sink share, where the attention of the last
+Lc / 2 queries of an 8 Lc window goes, `far_attention`) and Original's sliding-window perplexity at Lc ... 8 Lc
+(`pose_mlx.perplexity`, the grid's stride and documents), whose largest ratio to the perplexity at Lc is claim
+(a)'s measure (it needs >= 10x, or above the unigram perplexity).
 
     python benchmarks/sim_base_probe.py --sim out/sim-v2            # the latest checkpoint (or the finished base)
 
@@ -47,53 +45,6 @@ def checkpoint_folder(sim: Path, work: Path) -> tuple[int, Path]:
     return state["step"], toy.save_model_folder(model, config, init, work / f"step-{state['step']}")
 
 
-def far_attention(model, tokens, window: int) -> dict:
-    """Over layers, heads and the last `window` // 2 queries of `tokens` (BOS first, RoPE positions 0..L-1):
-    `far_share`, the mean attention weight on keys at distances >= `window` (unseen in pre-training), with
-    `uniform_share`, what uniform attention over the causal keys would give; and `far_logit_excess`, the mean
-    of (largest logit at distances >= window) - (largest logit at distances < window)."""
-    import mlx.core as mx
-    import numpy as np
-
-    from pose_mlx.sim.gates import causal_mask
-
-    n = len(tokens)
-    queries = np.arange(n - window // 2, n)
-    far = mx.array((queries[:, None] - np.arange(n)[None, :]) >= window)
-    mask = causal_mask(n)
-    h = model.model.embed_tokens(mx.array(np.asarray(tokens)[None]))
-    shares, excess = [], []
-    for layer in model.model.layers:
-        attn, x = layer.self_attn, layer.input_layernorm(h)
-        q = attn.rope(attn.q_proj(x).reshape(1, n, attn.n_heads, -1).transpose(0, 2, 1, 3))
-        k = attn.rope(attn.k_proj(x).reshape(1, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3))
-        k = mx.repeat(k, attn.n_heads // attn.n_kv_heads, axis=1)
-        logits = ((q * attn.scale) @ k.transpose(0, 1, 3, 2) + mask)[:, :, queries[0]:]
-        weights = mx.softmax(logits, axis=-1)
-        shares.append(mx.sum(mx.where(far, weights, 0.0), axis=-1).mean())
-        near_max = mx.max(mx.where(far, -mx.inf, logits), axis=-1)
-        far_max = mx.max(mx.where(far, logits, -mx.inf), axis=-1)
-        excess.append((far_max - near_max).mean())
-        h = layer(h, mask.astype(h.dtype))
-    uniform = float(np.mean((queries + 1 - window) / (queries + 1)))
-    return {"far_share": float(mx.stack(shares).mean()), "uniform_share": uniform,
-            "far_logit_excess": float(mx.stack(excess).mean())}
-
-
-def attention_beyond(model_dir: Path, data: Path, cache: Path, window: int, length: int, docs: int) -> dict:
-    """`far_attention` of the first `length` tokens (BOS first) of each of the first `docs` test documents,
-    averaged over the documents."""
-    import numpy as np
-    from mlx_lm import load
-
-    from pose_mlx.sim.gates import test_documents
-
-    model, tokenizer = load(str(model_dir))
-    texts = test_documents(data / "test", tokenizer, cache, window)[:docs]
-    rows = [far_attention(model, np.append(tokenizer.bos_token_id, d[: length - 1]), window) for d in texts]
-    return {key: float(np.mean([r[key] for r in rows])) for key in rows[0]}
-
-
 def main(argv=None) -> int:
     import pose_mlx  # noqa: F401  (loads the BLAS before mlx)
     from pose_mlx.sim import gates
@@ -114,9 +65,9 @@ def main(argv=None) -> int:
         work = Path(tmp)
         step, model = checkpoint_folder(args.sim, work)
         print(f"probing step {step} ({model})", flush=True)
-        record = gates.measure(model, data / "train", data / "test", cache, args.window, 0, work / "passkey.json")
+        record = gates.measure(model, data / "train", data / "test", cache, args.window, lengths[-1], 0,
+                               work / "passkey.json")
         evaluate_perplexity(model, data / "test", lengths, args.docs, args.window // 2, work / "ppl.json")
-        record["far_attention"] = attention_beyond(model, data, cache, args.window, lengths[-1], args.docs)
         ppl = {str(r["length"]): r["ppl"] for r in json.loads((work / "ppl.json").read_text())["results"]}
     at_lc = ppl[str(args.window)]
     record.update(ppl=ppl, largest_ratio=max(ppl.values()) / at_lc, seconds=time.perf_counter() - started)

@@ -6,8 +6,8 @@ updates, lr 2e-4, 10% retrieval documents, as in the grid:
 - `pose-equal-tokens`: PoSE, 32 x Lc tokens per update (the grid's PoSE run: as many tokens as `full`);
 - `pose-equal-sequences`: PoSE, 4 x Lc tokens per update (the paper's protocol: as many sequences as `full`).
 
-Each is scored with the grid's sliding-window perplexity at Lc ... Lt and with `far_attention` (see
-sim_base_probe.py) on windows of Lt tokens: where the last Lc / 2 queries put their attention (the share on
+Each is scored with the grid's sliding-window perplexity at Lc ... Lt and with `pose_mlx.sim.gates.far_attention`
+on the first Lt tokens of the same test documents: where the last Lc / 2 queries put their attention (the share on
 distances >= Lc, unseen in PoSE's training windows too, and the largest logit there minus the largest at seen
 distances). The base is scored the same way for reference.
 
@@ -26,14 +26,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS_DIR, write_results  # noqa: E402
-from sim_base_probe import attention_beyond  # noqa: E402
 
 #: name: (sampler, sequences per update)
 VARIANTS = {"full": ("full", 4), "pose-equal-tokens": ("pose", 32), "pose-equal-sequences": ("pose", 4)}
 
 
 def main(argv=None) -> int:
-    from pose_mlx.sim import finetune_data  # pose_mlx first: it loads the optimized BLAS before MLX starts
+    from pose_mlx.sim import finetune_data, gates  # pose_mlx first: it loads the optimized BLAS before MLX starts
+    from mlx_lm import load
     from mlx_lm.utils import load_tokenizer
     from pose_mlx.sim.config import SimConfig
     from pose_mlx.sim.grid import Run, evaluate_perplexity, finetune_args, run_finetune
@@ -49,6 +49,8 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     t0 = time.time()
+    tokenizer = load_tokenizer(model)
+    docs = gates.test_documents(sim / "corpus" / "test", tokenizer, sim / "cache", config.window)[: config.eval_docs]
     results = {}
     for name, (sampler, batch) in {"base": ("none", 0), **VARIANTS}.items():
         folder = model if name == "base" else work / "runs" / f"gap-{name}"
@@ -56,7 +58,7 @@ def main(argv=None) -> int:
             run = Run(name, name, sampler, "linear")
             length = required_length(config.window, config.target, sampler, run.content)
             data = finetune_data.build(work / "data" / f"r{config.finetune_retrieval:g}" / str(length),
-                                       sim / "corpus" / "train", load_tokenizer(model), sim / "cache", length,
+                                       sim / "corpus" / "train", tokenizer, sim / "cache", length,
                                        config.finetune_retrieval, config.seed)
             command = finetune_args(run, model, data, sim / "cache", folder, window=config.window,
                                     factor=config.factor, steps=config.steps, cost_steps=config.steps,
@@ -71,8 +73,8 @@ def main(argv=None) -> int:
             "sampler": sampler, "sequences_per_update": batch or None,
             "tokens_per_update": batch * (config.target if sampler == "full" else config.window) or None,
             "ppl": {str(r["length"]): r["ppl"] for r in json.loads(output.read_text())["results"]},
-            "far_attention": attention_beyond(folder, sim / "corpus", sim / "cache", config.window, config.target,
-                                              config.eval_docs)}
+            "far_attention": gates.far_attention_over(load(str(folder))[0], docs, tokenizer.bos_token_id,
+                                                      config.window, config.target)}
         print(name, json.dumps(results[name]), flush=True)
     full = results["full"]["ppl"]
     for name in ("pose-equal-tokens", "pose-equal-sequences"):

@@ -45,6 +45,10 @@ def test_quick_writes_report_results_and_plots(quick):
     assert gates["passkey_at_lc"] is None and "not testable" in report
     # a trained model is better than its own no-context guess, which is close to the text's unigram model
     assert results["pretrain"]["val_ppl"] < gates["no_context_ppl"] and gates["unigram_ppl"] > 1
+    far, c = gates["far_attention"], results["config"]
+    queries = np.arange(c["target"] - c["window"] // 2, c["target"])
+    assert far["uniform_share"] == pytest.approx(np.mean((queries + 1 - c["window"]) / (queries + 1)))
+    assert 0 < far["far_share"] < 1 and "tokens >= Lc back" in (quick / "report.md").read_text()
     assert 0 < gates["sink_share"] < 1
     assert results["unigram_ppl"] == gates["unigram_ppl"] and results["config"]["eval_stride"] == 16
     # the RULER subset: the scores of pose_mlx.ruler's own JSON, at the lengths each task fits

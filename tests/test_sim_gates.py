@@ -9,7 +9,8 @@ import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
 from pose_mlx.model.source import build_model
-from pose_mlx.sim.gates import attention_weights, causal_mask, no_context_ppl, sink_share, unigram_ppl
+from pose_mlx.sim.gates import (attention_weights, causal_mask, far_attention, no_context_ppl, sink_share,
+                                unigram_ppl)
 from pose_mlx.toy import model_config
 
 
@@ -56,6 +57,21 @@ def test_sink_share_of_uniform_attention(kv_heads):
     with pytest.raises(ValueError):
         sink_share(model, np.array([3]))
 
+
+@pytest.mark.parametrize("kv_heads", [None, 2], ids=["mha", "gqa"])
+def test_far_attention_of_uniform_attention(kv_heads):
+    """Zero keys: every logit is 0, so the largest far and near logits are equal (excess 0) and the far share is
+    the share of far keys. n = 10, window 4: queries 8 and 9 see 9 and 10 keys, of which 5 and 6 are >= 4 back."""
+    model = _zeroed(_model(kv_heads), "k_proj")
+    got = far_attention(model, np.arange(3, 13), 4)
+    expected = (5 / 9 + 6 / 10) / 2
+    assert got["uniform_share"] == pytest.approx(expected)
+    assert got["far_share"] == pytest.approx(expected, rel=1e-5) and got["far_logit_excess"] == pytest.approx(0)
+    # a trained-like model differs from uniform: random keys move weight between near and far
+    other = far_attention(_model(kv_heads, seed=4), np.arange(3, 13), 4)
+    assert other["uniform_share"] == pytest.approx(expected) and other["far_share"] != pytest.approx(expected)
+    with pytest.raises(ValueError):
+        far_attention(model, np.arange(4), 4)
 
 
 @pytest.mark.parametrize("kv_heads", [None, 2], ids=["mha", "gqa"])

@@ -181,8 +181,8 @@ def main(argv=None) -> int:
     gates_json = out / "gates.json"
 
     def do_gates():
-        record = gates.measure(model, data / "train", data / "test", cache, config.window, config.seed,
-                               out / "eval" / "base.passkey-gate.json")
+        record = gates.measure(model, data / "train", data / "test", cache, config.window, config.target,
+                               config.seed, out / "eval" / "base.passkey-gate.json")
         gates_json.write_text(json.dumps(record, indent=1) + "\n")
 
     stages.run("gates", gates_json.is_file, do_gates)

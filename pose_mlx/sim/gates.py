@@ -8,6 +8,10 @@
 - `sink_share`: the mean attention weight on the first token (over layers, heads and every query after the
   first). Real LLMs park attention there ("attention sinks"); a model without sinks spreads attention over far
   keys when its context grows (dilution) instead of breaking down.
+- `far_attention`: where the last Lc / 2 queries of an 8 Lc window put their attention: the share on keys at
+  distances >= Lc, which the base never saw (`uniform_share`: what uniform attention would put there), and the
+  largest logit at those distances minus the largest at seen ones. Dilution: a share near uniform with modest
+  logits; a breakdown: the largest logits at unseen distances capture the queries.
 """
 
 from __future__ import annotations
@@ -46,9 +50,9 @@ def no_context_ppl(model, test: np.ndarray, bos: int) -> float:
     return float(np.exp(-logp[test].mean()))
 
 
-def attention_weights(attn, x, mask):
-    """softmax(q k^T * scale + mask) of an mlx-lm llama-style attention module on its input `x` (B, L, D):
-    (B, heads, L, L), keys repeated for grouped queries."""
+def attention_logits(attn, x, mask):
+    """q k^T * scale + mask of an mlx-lm llama-style attention module on its input `x` (B, L, D), RoPE at
+    positions 0..L-1: (B, heads, L, L), keys repeated for grouped queries."""
     import mlx.core as mx
 
     b, n, _ = x.shape
@@ -56,7 +60,14 @@ def attention_weights(attn, x, mask):
     k = attn.k_proj(x).reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
     q, k = attn.rope(q), attn.rope(k)
     k = mx.repeat(k, attn.n_heads // attn.n_kv_heads, axis=1)
-    return mx.softmax((q * attn.scale) @ k.transpose(0, 1, 3, 2) + mask, axis=-1)
+    return (q * attn.scale) @ k.transpose(0, 1, 3, 2) + mask
+
+
+def attention_weights(attn, x, mask):
+    """softmax of `attention_logits`: (B, heads, L, L)."""
+    import mlx.core as mx
+
+    return mx.softmax(attention_logits(attn, x, mask), axis=-1)
 
 
 def causal_mask(n: int):
@@ -85,6 +96,33 @@ def sink_share(model, tokens: np.ndarray) -> float:
     return float(mx.stack(shares).mean())
 
 
+def far_attention(model, tokens: np.ndarray, window: int) -> dict:
+    """Over layers, heads and the last `window` // 2 queries of one sequence `tokens` (longer than `window`):
+    `far_share`, the mean attention weight on keys at distances >= `window`; `uniform_share`, the same for
+    uniform causal attention, mean of (q - window + 1) / (q + 1) over the queries q; `far_logit_excess`, the mean
+    of (largest logit at distances >= window) - (largest logit at distances < window)."""
+    import mlx.core as mx
+
+    tokens = np.asarray(tokens)
+    n = tokens.size
+    if tokens.ndim != 1 or n <= window:
+        raise ValueError(f"far_attention needs one sequence longer than the window ({window}), got {tokens.shape}")
+    queries = np.arange(n - window // 2, n)
+    far = mx.array((queries[:, None] - np.arange(n)[None, :]) >= window)
+    mask = causal_mask(n)
+    h = model.model.embed_tokens(mx.array(tokens[None]))
+    shares, excess = [], []
+    for layer in model.model.layers:
+        logits = attention_logits(layer.self_attn, layer.input_layernorm(h), mask)[:, :, queries[0]:]
+        shares.append(mx.where(far, mx.softmax(logits, axis=-1), 0.0).sum(axis=-1).mean())
+        excess.append((mx.where(far, logits, -mx.inf).max(axis=-1) - mx.where(far, -mx.inf, logits).max(axis=-1))
+                      .mean())
+        h = layer(h, mask.astype(h.dtype))
+    return {"far_share": float(mx.stack(shares).mean()),
+            "uniform_share": float(np.mean((queries + 1 - window) / (queries + 1))),
+            "far_logit_excess": float(mx.stack(excess).mean())}
+
+
 def test_documents(test_dir: Path, tokenizer, cache: Path, window: int) -> list[np.ndarray]:
     """The test documents' token ids (the corpus stage's cut), BOS left out."""
     from ..training.data import tokenize_corpus
@@ -94,11 +132,18 @@ def test_documents(test_dir: Path, tokenizer, cache: Path, window: int) -> list[
     return [d[d != bos] for d in (np.asarray(test.doc(i)) for i in range(test.num_docs))]
 
 
-def measure(model_dir: Path, train_dir: Path, test_dir: Path, cache: Path, window: int, seed: int,
+def far_attention_over(model, docs: list[np.ndarray], bos: int, window: int, target: int) -> dict:
+    """`far_attention` of BOS + the first `target` - 1 tokens of each of `docs`, each number averaged over them."""
+    rows = [far_attention(model, np.append(bos, d[: target - 1]), window) for d in docs]
+    return {key: float(np.mean([r[key] for r in rows])) for key in rows[0]}
+
+
+def measure(model_dir: Path, train_dir: Path, test_dir: Path, cache: Path, window: int, target: int, seed: int,
             passkey_json: Path) -> dict:
     """The gates of the pre-trained model: unigram and no-context perplexity of the test documents' text (BOS
-    left out), the sink share over each test document's first Lc tokens, and passkey accuracy at Lc over
-    GATE_TRIALS trials (None when the prompt template does not fit Lc)."""
+    left out), the sink share over each test document's first Lc tokens, `far_attention` over each one's first
+    `target` tokens (means over the documents), and passkey accuracy at Lc over GATE_TRIALS trials (None when
+    the prompt template does not fit Lc)."""
     from mlx_lm import load
 
     from ..training.data import tokenize_corpus
@@ -113,6 +158,7 @@ def measure(model_dir: Path, train_dir: Path, test_dir: Path, cache: Path, windo
     record = {"unigram_ppl": unigram_ppl(np.asarray(train.tokens), text, vocab),
               "no_context_ppl": no_context_ppl(model, text, bos),
               "sink_share": float(np.mean([sink_share(model, np.append(bos, d[: window - 1])) for d in docs])),
+              "far_attention": far_attention_over(model, docs, bos, window, target),
               "passkey_at_lc": None, "passkey_trials": GATE_TRIALS, "passkey_threshold": GATE_PASSKEY}
     if passkey_template_tokens(tokenizer) <= window:
         evaluate_passkey(Path(model_dir), [window], GATE_TRIALS, seed, passkey_json)
@@ -120,4 +166,5 @@ def measure(model_dir: Path, train_dir: Path, test_dir: Path, cache: Path, windo
     return record
 
 
-__all__ = ["measure", "test_documents", "attention_weights", "causal_mask", "no_context_ppl", "sink_share", "unigram_ppl"]
+__all__ = ["measure", "test_documents", "attention_logits", "attention_weights", "causal_mask", "far_attention",
+           "far_attention_over", "no_context_ppl", "sink_share", "unigram_ppl"]

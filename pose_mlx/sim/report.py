@@ -130,7 +130,17 @@ def gates_section(results: dict) -> list[str]:
             f"| perplexity at Lc (validation) | {results['pretrain']['val_ppl']:.2f} |",
             f"| no-context perplexity (each test token after BOS only) | {g['no_context_ppl']:.1f} |",
             f"| unigram perplexity of the test text (add-one, training counts) | {g['unigram_ppl']:.1f} |",
-            f"| attention on the first token (mean over layers, heads, queries) | {g['sink_share']:.3f} |", ""]
+            f"| attention on the first token (mean over layers, heads, queries) | {g['sink_share']:.3f} |",
+            *_far_attention_row(g, c), ""]
+
+
+def _far_attention_row(g: dict, c: dict) -> list[str]:
+    far = g.get("far_attention")  # gates measured before it existed have none
+    if not far:
+        return []
+    return [f"| at Lt = {c['target']}: attention of the last Lc / 2 queries on tokens >= Lc back (uniform: "
+            f"{far['uniform_share']:.2f}); largest logit there minus the largest nearer | {far['far_share']:.2f}; "
+            f"{far['far_logit_excess']:+.2f} |"]
 
 
 def _finetune_data(results: dict) -> str:
