@@ -46,6 +46,15 @@ def write_results(name: str, results: dict, path: str | Path | None = None) -> P
     return path
 
 
+def sim_pretrained(sim: str | Path, prog: str) -> Path:
+    """<sim>/pretrained, the simulator's base model; exits 2 with one line when the simulator has not made it."""
+    model = Path(sim) / "pretrained"
+    if not (model / "pretrain.json").is_file():
+        print(f"{prog}: error: {model} has no pretrained model; run python -m pose_mlx.sim first", file=sys.stderr)
+        sys.exit(2)
+    return model
+
+
 def synthetic_corpus(vocab: int, docs: int, length: int, seed: int = 0):
     """A `pose_mlx.training.data.TokenizedCorpus` of `docs` documents of `length` random token ids in [3, vocab)
     (the content does not change the cost of a training step)."""

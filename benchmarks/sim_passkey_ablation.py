@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, write_results  # noqa: E402
+from common import RESULTS_DIR, sim_pretrained, write_results  # noqa: E402
 
 #: name: (schedule, retrieval share of the fine-tuning documents, updates, peak lr, sampler, target / Lc), each one
 #: change from the grid's PoSE runs (pose-linear, pose-yarn: 0.1, 150, 2e-4), whose passkey is read from <sim>/eval.
@@ -49,11 +49,7 @@ def main(argv=None) -> int:
     p.add_argument("--trials", type=int, default=20, help="passkey trials per length (default 20)")
     args = p.parse_args(argv)
     config, sim = SimConfig(), Path(args.sim)
-    model, work = sim / "pretrained", sim / "ablation"
-    if not (model / "pretrain.json").is_file():
-        print(f"sim_passkey_ablation: error: {model} has no pretrained model; run python -m pose_mlx.sim first",
-              file=sys.stderr)
-        return 2
+    model, work = sim_pretrained(sim, "sim_passkey_ablation"), sim / "ablation"
     lengths = config.lengths
     output_json = RESULTS_DIR / "sim_passkey_ablation.json"
     t0 = time.time()  # variants not run this time keep their recorded results

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, write_results  # noqa: E402
+from common import sim_pretrained, write_results  # noqa: E402
 
 #: name: (sampler, sequences per update)
 VARIANTS = {"full": ("full", 4), "pose-equal-tokens": ("pose", 32), "pose-equal-sequences": ("pose", 4)}
@@ -43,11 +43,7 @@ def main(argv=None) -> int:
     p.add_argument("--sim", default="out/sim", help="the simulator's --out folder (its pretrained model and corpus)")
     args = p.parse_args(argv)
     config, sim = SimConfig(), Path(args.sim)
-    model, work = sim / "pretrained", sim / "ablation"
-    if not (model / "pretrain.json").is_file():
-        print(f"sim_pose_gap: error: {model} has no pretrained model; run python -m pose_mlx.sim first",
-              file=sys.stderr)
-        return 2
+    model, work = sim_pretrained(sim, "sim_pose_gap"), sim / "ablation"
     t0 = time.time()
     tokenizer = load_tokenizer(model)
     docs = gates.test_documents(sim / "corpus" / "test", tokenizer, sim / "cache", config.window)[: config.eval_docs]
