@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-#: Trials of the base model's passkey gate at Lc (the issue's gate: accuracy >= 0.95 over 50 trials).
+#: Trials of the base model's passkey gate at Lc (the gate: accuracy >= 0.95 over 50 trials).
 GATE_TRIALS, GATE_PASSKEY = 50, 0.95
 
 
