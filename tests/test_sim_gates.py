@@ -9,7 +9,7 @@ import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
 from pose_mlx.model.source import build_model
-from pose_mlx.sim.gates import (attention_weights, causal_mask, far_attention, no_context_ppl, sink_share,
+from pose_mlx.sim.gates import (attention_logits, causal_mask, far_attention, no_context_ppl, sink_share,
                                 unigram_ppl)
 from pose_mlx.toy import model_config
 
@@ -75,11 +75,11 @@ def test_far_attention_of_uniform_attention(kv_heads):
 
 
 @pytest.mark.parametrize("kv_heads", [None, 2], ids=["mha", "gqa"])
-def test_attention_weights_are_the_module_s_own(kv_heads):
-    """The weights sink_share averages reproduce the attention module's output: o_proj(weights @ v)."""
+def test_attention_logits_are_the_module_s_own(kv_heads):
+    """The softmax of the logits sink_share and far_attention read reproduces the module's output: o_proj(weights @ v)."""
     attn = _model(kv_heads, seed=2).model.layers[0].self_attn
     x = mx.random.normal((2, 7, 16), key=mx.random.key(0))
-    weights = attention_weights(attn, x, causal_mask(7))
+    weights = mx.softmax(attention_logits(attn, x, causal_mask(7)), axis=-1)
     v = attn.v_proj(x).reshape(2, 7, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
     v = mx.repeat(v, attn.n_heads // attn.n_kv_heads, axis=1)
     mine = attn.o_proj((weights @ v).transpose(0, 2, 1, 3).reshape(2, 7, -1))

@@ -63,36 +63,32 @@ def attention_logits(attn, x, mask):
     return (q * attn.scale) @ k.transpose(0, 1, 3, 2) + mask
 
 
-def attention_weights(attn, x, mask):
-    """softmax of `attention_logits`: (B, heads, L, L)."""
-    import mlx.core as mx
-
-    return mx.softmax(attention_logits(attn, x, mask), axis=-1)
-
-
 def causal_mask(n: int):
     import mlx.core as mx
 
     return mx.triu(mx.full((n, n), -mx.inf, dtype=mx.float32), k=1)
 
 
-def sink_share(model, tokens: np.ndarray) -> float:
-    """Mean attention weight on position 0 over layers, heads and queries 1..L-1 of one sequence.
+def layer_logits(model, tokens: np.ndarray):
+    """`attention_logits` of every layer of an mlx-lm llama-style model (`model.model.layers[i].self_attn` with
+    q_proj, k_proj, rope, n_heads, n_kv_heads, scale) on one causal sequence, yielded layer by layer."""
+    import mlx.core as mx
 
-    For mlx-lm llama-style models (`model.model.layers[i].self_attn` with q_proj, k_proj, rope, n_heads,
-    n_kv_heads, scale); the layers are run one by one so that each one's attention weights can be formed."""
+    mask = causal_mask(tokens.size)
+    h = model.model.embed_tokens(mx.array(tokens[None]))
+    for layer in model.model.layers:
+        yield attention_logits(layer.self_attn, layer.input_layernorm(h), mask)
+        h = layer(h, mask.astype(h.dtype))
+
+
+def sink_share(model, tokens: np.ndarray) -> float:
+    """Mean attention weight on position 0 over layers, heads and queries 1..L-1 of one sequence."""
     import mlx.core as mx
 
     tokens = np.asarray(tokens)
     if tokens.ndim != 1 or tokens.size < 2:
         raise ValueError("sink_share needs one sequence of at least 2 tokens")
-    mask = causal_mask(tokens.size)
-    h = model.model.embed_tokens(mx.array(tokens[None]))
-    shares = []
-    for layer in model.model.layers:
-        weights = attention_weights(layer.self_attn, layer.input_layernorm(h), mask)
-        shares.append(weights[:, :, 1:, 0].mean())
-        h = layer(h, mask.astype(h.dtype))
+    shares = [mx.softmax(logits, axis=-1)[:, :, 1:, 0].mean() for logits in layer_logits(model, tokens)]
     return float(mx.stack(shares).mean())
 
 
@@ -109,15 +105,12 @@ def far_attention(model, tokens: np.ndarray, window: int) -> dict:
         raise ValueError(f"far_attention needs one sequence longer than the window ({window}), got {tokens.shape}")
     queries = np.arange(n - window // 2, n)
     far = mx.array((queries[:, None] - np.arange(n)[None, :]) >= window)
-    mask = causal_mask(n)
-    h = model.model.embed_tokens(mx.array(tokens[None]))
     shares, excess = [], []
-    for layer in model.model.layers:
-        logits = attention_logits(layer.self_attn, layer.input_layernorm(h), mask)[:, :, queries[0]:]
+    for logits in layer_logits(model, tokens):
+        logits = logits[:, :, queries[0]:]
         shares.append(mx.where(far, mx.softmax(logits, axis=-1), 0.0).sum(axis=-1).mean())
         excess.append((mx.where(far, logits, -mx.inf).max(axis=-1) - mx.where(far, -mx.inf, logits).max(axis=-1))
                       .mean())
-        h = layer(h, mask.astype(h.dtype))
     return {"far_share": float(mx.stack(shares).mean()),
             "uniform_share": float(np.mean((queries + 1 - window) / (queries + 1))),
             "far_logit_excess": float(mx.stack(excess).mean())}
@@ -166,5 +159,5 @@ def measure(model_dir: Path, train_dir: Path, test_dir: Path, cache: Path, windo
     return record
 
 
-__all__ = ["measure", "test_documents", "attention_logits", "attention_weights", "causal_mask", "far_attention",
-           "far_attention_over", "no_context_ppl", "sink_share", "unigram_ppl"]
+__all__ = ["measure", "test_documents", "attention_logits", "causal_mask", "far_attention",
+           "far_attention_over", "layer_logits", "no_context_ppl", "sink_share", "unigram_ppl"]
