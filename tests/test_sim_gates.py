@@ -76,7 +76,8 @@ def test_far_attention_of_uniform_attention(kv_heads):
 
 @pytest.mark.parametrize("kv_heads", [None, 2], ids=["mha", "gqa"])
 def test_attention_logits_are_the_module_s_own(kv_heads):
-    """The softmax of the logits sink_share and far_attention read reproduces the module's output: o_proj(weights @ v)."""
+    """The softmax of the logits that sink_share and far_attention read reproduces the module's output:
+    o_proj(weights @ v)."""
     attn = _model(kv_heads, seed=2).model.layers[0].self_attn
     x = mx.random.normal((2, 7, 16), key=mx.random.key(0))
     weights = mx.softmax(attention_logits(attn, x, causal_mask(7)), axis=-1)
