@@ -2,7 +2,8 @@
 
 Contract of a command: input the user can fix raises `UserError` anywhere below the command; `command(prog)`
 turns it into ONE line on stderr, ``prog: error: message``, and exit code 2. Ctrl-C outside a training loop
-prints one line and exits with 130. A full or read-only disk (and a permission denied) is the user's
+prints one line and exits with 130; so does work stopped by a signal after saving its state (`Stopped`), with
+128 + the signal's number. A full or read-only disk (and a permission denied) is the user's
 environment, not a bug: one line and exit code 2 as well. Every other exception is a bug and keeps its
 traceback.
 """
@@ -23,6 +24,15 @@ EXIT_INTERRUPTED = 130
 
 class UserError(Exception):
     """Bad input the user can fix (a flag, a file, a model, a setting): reported as one line, exit code 2."""
+
+
+class Stopped(Exception):
+    """Work stopped by a signal after saving its state (a checkpoint); rerunning resumes it. One line on stderr,
+    exit code 128 + `signum`, like a shell's."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
 
 
 def one_line(message: object) -> str:
@@ -54,6 +64,9 @@ def command(prog: str) -> Callable:
                     raise
                 _report(prog, f"{error.strerror}: {error.filename}" if error.filename else error.strerror)
                 return EXIT_USER_ERROR
+            except Stopped as stop:
+                _report(prog, stop, kind="stopped")
+                return 128 + stop.signum
             except KeyboardInterrupt:
                 _report(prog, "interrupted", kind="stopped")
                 return EXIT_INTERRUPTED
@@ -70,4 +83,4 @@ def _report(prog: str, message: object, kind: str = "error") -> None:
         pass
 
 
-__all__ = ["ArgumentParser", "EXIT_INTERRUPTED", "EXIT_USER_ERROR", "UserError", "command", "one_line"]
+__all__ = ["ArgumentParser", "EXIT_INTERRUPTED", "EXIT_USER_ERROR", "Stopped", "UserError", "command", "one_line"]

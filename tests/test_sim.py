@@ -1,11 +1,13 @@
 """The simulator (`python -m pose_mlx.sim`): --quick end to end, resume, and its parts against hand-made cases.
 
-Runtime: ~15-25 s on 2 cores (the --quick pipeline twice: once fresh, once fully cached).
+Runtime: ~30-45 s on 2 cores (the --quick pipeline fresh, fully cached, and stopped twice by a signal).
 """
 
 import io
 import json
+import os
 import re
+import signal
 import time
 from pathlib import Path
 
@@ -133,6 +135,47 @@ def test_quick_rerun_resumes_from_cache(quick, capsys):
     assert after["stage_seconds"] == before["stage_seconds"] and after["stages_without_time"] == []
     assert after["wall_seconds_this_process"] < before["wall_seconds_this_process"]
     assert after["wall_seconds"] >= sum(after["stage_seconds"].values()) > after["wall_seconds_this_process"]
+
+
+def test_a_signal_stops_the_run_in_one_line_and_the_rerun_takes_up_where_it_stopped(quick, tmp_path, monkeypatch,
+                                                                                     capsys):
+    """SIGTERM during pre-training, then during a fine-tuning stage: one line on stderr and exit code 143 each time,
+    no traceback; the rerun resumes both from their checkpoints and ends with the uninterrupted run's numbers."""
+    from pose_mlx.training import loop
+
+    out, append = tmp_path / "sim", loop.append_log
+    target, pretrain_steps, after_stop = {"stage": None}, [], []
+
+    def append_then_signal(log, record):  # the loop's per-step log line: the signal lands mid-training
+        append(log, record)
+        stage = "finetune" if (out / "pretrained" / "pretrain.json").is_file() else "pretrain"
+        if stage == "pretrain":
+            pretrain_steps.append(record["step"])
+        elif after_stop == [None]:  # the first fine-tuning step after the stop: the stopped run's next one
+            after_stop[0] = record["step"]
+        if stage == target["stage"] and record["step"] == 2:
+            target["stage"] = None
+            if stage == "finetune":
+                after_stop.append(None)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(loop, "append_log", append_then_signal)
+    argv = ["--quick", "--prose", "auto", "--out", str(out)]
+    for stage, last_line in (("pretrain", r"pose_mlx\.sim: stopped: pre-training stopped by SIGTERM; checkpoint saved "
+                                          r"at step 2; rerun the same command to resume"),
+                             ("finetune", r"pose_mlx\.sim: stopped: fine-tuning of \S+ stopped by a signal; rerun the "
+                                          r"same command to resume")):
+        target["stage"] = stage
+        assert sim.main(argv) == 128 + signal.SIGTERM
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and re.fullmatch(last_line, err.splitlines()[-1]), err
+    assert sim.main(argv) == 0
+    assert pretrain_steps == list(range(1, len(pretrain_steps) + 1))  # each step once: resumed, not restarted
+    assert after_stop == [3]
+    for name in ("pretrained/model.safetensors", "gates.json"):
+        assert (out / name).read_bytes() == (quick / name).read_bytes(), name
+    ours, theirs = (json.loads((folder / "results.json").read_text()) for folder in (out, quick))
+    assert ours["ppl"] == theirs["ppl"] and ours["passkey"] == theirs["passkey"]
 
 
 def _invented_language(rng, words: int) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import signal
 import sys
 import time
 from pathlib import Path
@@ -18,8 +19,9 @@ from .grid import (RULER_RUNS, RULER_TASKS, Run, collect, evaluate_passkey, eval
 from .pretrain import made_with, pretrain, reuse_base
 from .report import plots, write_report
 from .stages import Stages
-from ..errors import UserError, command
+from ..errors import Stopped, UserError, command
 from ..training.data import required_length
+from ..training.loop import Interrupted
 
 #: Runs trained with every seed of --seeds (claim b compares them); the others use --seed only.
 SEEDED = tuple(f"{m}-{s}" for m in ("pose", "full") for s in ("linear", "ntk", "yarn"))
@@ -171,11 +173,15 @@ def main(argv=None) -> int:
         _use_pretrained(config.pretrained, model, made)
 
     def do_pretrain():
-        pretrain(model, data / "tokenizer", data / "train", data / "val", cache,
-                 retrieval_fraction=config.retrieval_fraction, window=config.window, base=config.base,
-                 hidden=config.hidden, layers=config.layers, heads=config.heads, ffn=config.ffn,
-                 steps=config.pretrain_steps, batch=config.pretrain_batch, lr=config.pretrain_lr, seed=config.seed,
-                 made=made)
+        try:
+            pretrain(model, data / "tokenizer", data / "train", data / "val", cache,
+                     retrieval_fraction=config.retrieval_fraction, window=config.window, base=config.base,
+                     hidden=config.hidden, layers=config.layers, heads=config.heads, ffn=config.ffn,
+                     steps=config.pretrain_steps, batch=config.pretrain_batch, lr=config.pretrain_lr,
+                     seed=config.seed, made=made)
+        except Interrupted as stop:
+            raise Stopped(stop.signum, f"pre-training stopped by {signal.Signals(stop.signum).name}; checkpoint "
+                                       f"saved at step {stop.step}; rerun the same command to resume") from None
 
     stages.run("pretrain", lambda: (model / "pretrain.json").is_file(), do_pretrain)
     gates_json = out / "gates.json"

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .. import finetune, passkey, perplexity, ruler
-from ..errors import UserError
+from ..errors import Stopped, UserError
 from ..ruler_tasks import PromptBuilder
 
 #: RULER's subset run by the simulator (`pose_mlx.ruler`), and the runs it probes.
@@ -83,6 +83,9 @@ def finetune_args(run: Run, model: Path, data: Path, cache: Path, output: Path, 
 
 def run_finetune(args: list[str]) -> None:
     code = finetune.main(args)
+    if code >= 128:  # stopped by a signal after saving a checkpoint: finetune_args resumes it next time
+        raise Stopped(code - 128, f"fine-tuning of {args[args.index('--output') + 1]} stopped by a signal; "
+                                  "rerun the same command to resume")
     if code:
         raise RuntimeError(f"pose_mlx.finetune {' '.join(args)} failed with exit code {code}")
 
