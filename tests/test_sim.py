@@ -403,3 +403,34 @@ def test_stages_skip_cached_and_report_eta():
     assert lines[0] == "[1/3] a: cached" and lines[1] == "[2/3] b: running"
     assert re.fullmatch(r"\[2/3\] b: done in \d+ s; ETA \d+ s", lines[2])
     assert stages.eta() == pytest.approx(stages.seconds / 3.0 * 1.0)
+
+
+def test_eta_work_estimates_match_the_committed_default_run():
+    """The stages' work estimates (`_weights`) against what each kind of stage cost in the committed default run
+    (its results.json `stage_seconds`): at that run's overall seconds per unit of work, every kind's total is
+    predicted within 1.5x, and the ETA printed after the first stage is within 1.5x of what the rest took."""
+    results = json.loads((Path(__file__).parents[1] / "benchmarks/results/sim/results.json").read_text())
+    config = parse_config(["--out", results["config"]["out"]])
+    assert results["config"] == config.to_dict() and results["argv"] == ""  # the committed run is the default one
+    weights = sim._weights(config, sim.grid_runs(config.factor))
+    times = results["stage_seconds"]
+    assert set(times) == set(weights) - {"pretrain"}  # every stage timed (the base was copied, not pre-trained)
+    rate = sum(times.values()) / sum(weights[name] for name in times)
+
+    def kind(name: str) -> str:
+        words = name.split()
+        return ("full-length training" if words[0] == "finetune" and "full" in words[1]
+                else " ".join(words[:2]) if words[:2] == ["finetune", "data"] else words[0])
+
+    totals = {}
+    for name, seconds in times.items():
+        total = totals.setdefault(kind(name), [0.0, 0.0])
+        total[0] += seconds
+        total[1] += weights[name] * rate
+    assert len(totals) == 8
+    for name, (measured, predicted) in totals.items():
+        assert 1 / 1.5 < predicted / measured < 1.5, (name, measured, predicted)
+    order = [name for name in weights if name in times]
+    first, rest = order[0], order[1:]
+    eta = times[first] / weights[first] * sum(weights[name] for name in rest)
+    assert 1 / 1.5 < eta / sum(times[name] for name in rest) < 1.5

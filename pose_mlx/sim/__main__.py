@@ -44,20 +44,23 @@ def nll_bin(config: SimConfig) -> int:
 
 
 def _weights(config: SimConfig, runs: list[Run]) -> dict[str, float]:
-    """Estimated work of each stage in trained-token units (evaluation ~ a third of training per token)."""
-    w = {"corpus": 0.02 * config.pretrain_steps * config.pretrain_batch * config.window + 1,
-         "pretrain": config.pretrain_steps * config.pretrain_batch * config.window,
-         "gates": config.test_docs * config.test_tokens / 3 + gates.GATE_TRIALS * config.window}
+    """Estimated work of each stage in trained-token units, so that ETA = seconds per unit so far x units left.
+    Calibrated on the default run's stage times here (`results.json` `stage_seconds`: about 1.7e-4 s per unit for
+    training and 2.4e-4 for evaluation, a scored token costing about 1.5 trained ones)."""
+    pretrain_tokens = config.pretrain_steps * config.pretrain_batch * config.window
+    w = {"corpus": 0.002 * pretrain_tokens + 1,  # tokenizer training and tokenizing: about 5 s at the default size
+         "pretrain": pretrain_tokens,
+         "gates": 1.5 * config.test_docs * config.test_tokens + gates.GATE_TRIALS * config.window}
     for length in sorted({_example_length(config, r) for r in runs if not r.cost_only} - {None}):
-        w[f"finetune data {length}"] = 0.02 * config.pretrain_steps * config.pretrain_batch * config.window + 1
+        # writing and tokenizing the retrieval documents of that length
+        w[f"finetune data {length}"] = config.finetune_retrieval * config.steps * config.full_batch * length + 1
     # in the order main runs them: every run with --seed, the RULER subset, then the other seeds' runs
     seeded = [(r, config.seed) for r in runs] + [None] + [(r, s) for s in config.seed_list[1:] for r in runs
                                                           if r.name in SEEDED]
     for item in seeded:
         if item is None:
-            for name in RULER_RUNS:  # prompts of every length, answers of up to 128 tokens, each a forward pass
-                w[f"ruler {name}"] = (len(RULER_TASKS) * config.ruler_samples
-                                      * sum(n + 128 * n / 4 for n in config.lengths))
+            for name in RULER_RUNS:  # a prompt of each length per task and sample (short answers)
+                w[f"ruler {name}"] = len(RULER_TASKS) * config.ruler_samples * sum(config.lengths)
             continue
         run, seed = item
         name = _seed_name(run.name, seed, config)
@@ -68,10 +71,10 @@ def _weights(config: SimConfig, runs: list[Run]) -> dict[str, float]:
         w[f"finetune {name}"] = steps * tokens * attention + 1
         if not run.cost_only:
             windows = sum(n / min(config.eval_stride, n - 1) for n in config.lengths)  # tokens per scored token
-            w[f"evaluate {name}"] = config.eval_docs * config.test_tokens * windows / 3 + 1
+            w[f"evaluate {name}"] = config.eval_docs * config.test_tokens * windows / 2 + 1
     for run in runs:
         if not run.cost_only:
-            w[f"nll {run.name}"] = config.test_docs * config.test_tokens / 3 + 1
+            w[f"nll {run.name}"] = config.test_docs * config.test_tokens / 2 + 1
     return w
 
 
@@ -134,7 +137,7 @@ def _use_pretrained(pretrained: str, model: Path, made: dict) -> None:
     """--pretrained: copy the base it names to `model` when it was `made` alike, so the pre-training stage is
     cached; a folder that does not match is the user's error, the shipped base that does not is skipped."""
     source = SHIPPED_BASE if pretrained == "shipped" else Path(pretrained)
-    why_not = reuse_base(source, model, made)
+    why_not = reuse_base(source, model, made, name="shipped" if pretrained == "shipped" else None)
     if why_not is None:
         print(f"pretrain: the base in {source} was made with these settings on this corpus; using it", flush=True)
     elif pretrained == "shipped":

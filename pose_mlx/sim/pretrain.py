@@ -89,10 +89,10 @@ def made_with(settings: dict, data: Path) -> dict:
     return {"settings": {k: settings[k] for k in BASE_SETTINGS}, "corpus": corpus_fingerprint(data)}
 
 
-def reuse_base(source: Path, folder: Path, wanted: dict) -> str | None:
+def reuse_base(source: Path, folder: Path, wanted: dict, name: str | None = None) -> str | None:
     """Copy the finished base `source` to `folder` if its pretrain.json's `made_with` equals `wanted` (the copy's
-    pretrain.json adds `reused_from`); returns None when copied, else why not (the first setting that differs,
-    or the corpus)."""
+    pretrain.json adds `reused_from`: `name`, or the source's path); returns None when copied, else why not (the
+    first setting that differs, or the corpus)."""
     record = Path(source) / "pretrain.json"
     if not record.is_file():
         return f"{source} is not a pre-trained base (no pretrain.json)"
@@ -107,7 +107,7 @@ def reuse_base(source: Path, folder: Path, wanted: dict) -> str | None:
     temp = Path(folder).with_name(Path(folder).name + ".tmp")
     shutil.rmtree(temp, ignore_errors=True)
     shutil.copytree(source, temp)
-    (temp / "pretrain.json").write_text(json.dumps({**json.loads(record.read_text()), "reused_from": str(source)},
+    (temp / "pretrain.json").write_text(json.dumps({**json.loads(record.read_text()), "reused_from": name or str(source)},
                                                    indent=1) + "\n")
     temp.rename(folder)
     return None

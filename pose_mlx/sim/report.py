@@ -183,7 +183,9 @@ def _wall_time(results: dict) -> str:
                  "that.")
     pre = results["pretrain"]
     if "reused_from" in pre:
-        text += (f" Not counted: pre-training, whose base was copied from `{pre['reused_from']}` (made with these "
+        source = ("the shipped base `pose_mlx/sim/pretrained`" if pre["reused_from"] == "shipped"
+                  else f"`{pre['reused_from']}`")
+        text += (f" Not counted: pre-training, whose base was copied from {source} (made with these "
                  f"settings on this corpus; its pre-training took {pre['seconds'] / 60:.0f} min).")
     return text
 
@@ -193,7 +195,7 @@ def write_report(results: dict, folder: Path, pngs: list[Path]) -> Path:
     held = {True: "**held**", False: "**did not hold**", None: "not evaluated"}
     parts = [
         "# PoSE simulator report", "",
-        f"Command: `python -m pose_mlx.sim {results['argv']}`. {_wall_time(results)}", "",
+        f"Command: `{' '.join(['python -m pose_mlx.sim', results['argv']]).strip()}`. {_wall_time(results)}", "",
         f"Model: llama, hidden {c['hidden']}, {c['layers']} layers, {c['heads']} heads, FFN {c['ffn']}, vocabulary "
         f"{c['vocab']}, {pre['parameters']:,} parameters, RoPE base {c['base']:.4g} (Lc / (2 pi base) = "
         f"{c['window'] / (6.283185307 * c['base']):.4f}, Llama-2: 0.0652). Pre-trained at Lc = {c['window']} on "
