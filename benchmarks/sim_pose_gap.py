@@ -11,7 +11,7 @@ on the first Lt tokens of the same test documents: where the last Lc / 2 queries
 distances >= Lc, unseen in PoSE's training windows too, and the largest logit there minus the largest at seen
 distances). The base is scored the same way for reference.
 
-    python benchmarks/sim_pose_gap.py [--sim out/sim]
+    python benchmarks/sim_pose_gap.py [--sim out/sim] [--output benchmarks/results/sim_pose_gap.json]
 
 Runs and evaluations are cached under <sim>/ablation/; writes benchmarks/results/sim_pose_gap.json.
 """
@@ -41,6 +41,8 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sim", default="out/sim", help="the simulator's --out folder (its pretrained model and corpus)")
+    p.add_argument("--output", type=Path, default=None,
+                   help="results JSON (default benchmarks/results/sim_pose_gap.json)")
     args = p.parse_args(argv)
     config, sim = SimConfig(), Path(args.sim)
     model, work = sim_pretrained(sim, "sim_pose_gap"), sim / "ablation"
@@ -77,7 +79,7 @@ def main(argv=None) -> int:
         results[name]["vs_full"] = {n: v / full[n] - 1 for n, v in results[name]["ppl"].items()}
     path = write_results("sim_pose_gap", {"sim": str(sim), "steps": config.steps, "lr": config.lr,
                                           "target": config.target, "variants": results,
-                                          "wall_seconds": time.time() - t0})
+                                          "wall_seconds": time.time() - t0}, args.output)
     print(f"wrote {path}")
     return 0
 
