@@ -107,8 +107,8 @@ def reuse_base(source: Path, folder: Path, wanted: dict, name: str | None = None
     temp = Path(folder).with_name(Path(folder).name + ".tmp")
     shutil.rmtree(temp, ignore_errors=True)
     shutil.copytree(source, temp)
-    (temp / "pretrain.json").write_text(json.dumps({**json.loads(record.read_text()), "reused_from": name or str(source)},
-                                                   indent=1) + "\n")
+    copied = {**json.loads(record.read_text()), "reused_from": name or str(source)}
+    (temp / "pretrain.json").write_text(json.dumps(copied, indent=1) + "\n")
     temp.rename(folder)
     return None
 

@@ -193,9 +193,10 @@ def _wall_time(results: dict) -> str:
 def write_report(results: dict, folder: Path, pngs: list[Path]) -> Path:
     c, pre = results["config"], results["pretrain"]
     held = {True: "**held**", False: "**did not hold**", None: "not evaluated"}
+    invocation = f"python -m pose_mlx.sim {results['argv']}".rstrip()
     parts = [
         "# PoSE simulator report", "",
-        f"Command: `{' '.join(['python -m pose_mlx.sim', results['argv']]).strip()}`. {_wall_time(results)}", "",
+        f"Command: `{invocation}`. {_wall_time(results)}", "",
         f"Model: llama, hidden {c['hidden']}, {c['layers']} layers, {c['heads']} heads, FFN {c['ffn']}, vocabulary "
         f"{c['vocab']}, {pre['parameters']:,} parameters, RoPE base {c['base']:.4g} (Lc / (2 pi base) = "
         f"{c['window'] / (6.283185307 * c['base']):.4f}, Llama-2: 0.0652). Pre-trained at Lc = {c['window']} on "
