@@ -5,7 +5,8 @@ settings (`pose_mlx.settings`: flags, YAML or run.json, validated once)
 -> plan (`pose_mlx.plan`: lengths and output folders resolved against the model's config before any weight is
    read; the run folder claimed)
 -> load (`pose_mlx.model.source`)
--> extend (`pose_mlx.model.patch`: the frequency schedule, s = target / original)
+-> extend (`pose_mlx.model.patch`: the frequency schedule, s = target / original; `--sampler plain` trains with
+   the original frequencies and takes the schedule only after training)
 -> train (`pose_mlx.training.stage`: LoRA or all weights, position ids from the sampler)
 -> export (`pose_mlx.model.export`: a standard mlx-lm folder whose config comes from the extension record).
 The run's state lives in `<output>.partial/` until the export is complete, then `<output>` appears at once.
@@ -26,15 +27,21 @@ def run(args) -> Path:
     output folder."""
     from .model.export import export_run
     from .model.source import load
-    from .model.patch import extend, use_positions
+    from .model.patch import extend, reschedule, use_positions
     from .plan import make_plan
     from .training.stage import fine_tune
 
     plan = make_plan(args)
     try:
         model, tokenizer = load(plan.model, apply_schedule=False)
-        extension = extend(model, plan.settings.schedule, plan.original, plan.target, **plan.settings.schedule_params)
-        summary = fine_tune(model, tokenizer, plan, use_positions)
+        s = plan.settings
+        if s.sampler == "plain":  # ordinary fine-tuning: original RoPE while training, the schedule at export
+            extend(model, "none", plan.original, plan.target)
+            summary = fine_tune(model, tokenizer, plan, use_positions)
+            extension = reschedule(model, s.schedule, plan.original, plan.target, **s.schedule_params)
+        else:
+            extension = extend(model, s.schedule, plan.original, plan.target, **s.schedule_params)
+            summary = fine_tune(model, tokenizer, plan, use_positions)
         output = export_run(model, extension, plan, summary)
     except BaseException:
         plan.release(failed=True)

@@ -234,21 +234,42 @@ def extend(model: nn.Module, schedule: str, original: int, target: int, **params
     existing scaling in the model (e.g. a rope_scaling in its config) is replaced, not compounded, with a warning.
     UserError when the model has no RoPE layer or the schedule's arguments do not fit it.
     """
-    if original <= 0 or target <= 0:
-        raise ValueError(f"original={original} and target={target} must be positive")
-    params = dict(params)
-    factor = float(params.pop("factor", target / original))
     ropes = sorted(find_rope_modules(model), key=lambda item: _natural(item[0]))
     if not ropes:
         kind = getattr(getattr(model, "args", None), "model_type", type(model).__name__)
         raise UserError(f"model '{kind}' has no RoPE layers (it uses another position encoding); cannot extend it")
-    holder = _Holder()
-    record = Extension(schedule, params, int(original), int(target), factor)
+    layers = []
     for path, module in ropes:
         dims, traditional, base, scaled = _describe(path, module, model)
-        if scaled and not record.layers:
+        if scaled and not layers:
             warnings.warn(f"{path} already applies a RoPE scaling ({type(module).__name__}); it is replaced by "
                           f"'{schedule}' computed from the raw base {base:g}", stacklevel=2)
+        layers.append((path, dims, traditional, base))
+    return _install(model, layers, schedule, original, target, params)
+
+
+def reschedule(model: nn.Module, schedule: str, original: int, target: int, **params) -> Extension:
+    """Give a model that `extend` patched with the original frequencies (schedule ``none``, e.g. for ordinary
+    fine-tuning at positions 0 .. window - 1) the frequencies of `schedule` instead, computed from each layer's
+    recorded raw base exactly as `extend` computes them; returns the new `Extension` record. Trained weights
+    (LoRA adapters included) are untouched: only the RoPE layers are replaced."""
+    record = getattr(model, "pose_extension", None)
+    if record is None or record.schedule != "none":
+        raise ValueError("reschedule needs a model extended with schedule 'none'")
+    layers = [(layer.path, layer.dims, layer.traditional, layer.base) for layer in record.layers]
+    return _install(model, layers, schedule, original, target, params)
+
+
+def _install(model: nn.Module, layers: list, schedule: str, original: int, target: int, params: dict) -> Extension:
+    """Put a `PositionRoPE` following `schedule` at each (path, dims, traditional, raw base) of `layers`, all
+    sharing one position holder; the record becomes `model.pose_extension`."""
+    if original <= 0 or target <= 0:
+        raise ValueError(f"original={original} and target={target} must be positive")
+    params = dict(params)
+    factor = float(params.pop("factor", target / original))
+    holder = _Holder()
+    record = Extension(schedule, params, int(original), int(target), factor)
+    for path, dims, traditional, base in layers:
         try:
             inv_freq, attention_factor = scaled_inv_freq(schedule, dims, base, factor, original, **params)
         except ValueError as error:
@@ -338,4 +359,4 @@ def apply_saved_extension(model: nn.Module, record_path: str | Path) -> Extensio
 
 
 __all__ = ["Extension", "PositionRoPE", "RopeLayer", "apply_saved_extension", "extend", "find_rope_modules",
-           "save_extension", "use_length", "use_positions"]
+           "reschedule", "save_extension", "use_length", "use_positions"]

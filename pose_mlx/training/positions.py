@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-SAMPLERS = ("pose", "pose-ref", "randpos", "full", "contiguous")
+SAMPLERS = ("pose", "pose-ref", "randpos", "full", "contiguous", "plain")
 CONTENT = ("uniform", "zero", "aligned")
 
 RngLike = np.random.Generator | np.random.SeedSequence | int | None
@@ -162,11 +162,13 @@ def sample_example(
     """Sample position ids and the document spans that fill them, for a document of ``doc_length`` tokens.
 
     sampler: ``pose`` (paper, any ``chunks``), ``pose-ref`` (authors' code, 2 chunks), ``randpos``, ``full``
-    (positions 0 .. target - 1 over the first ``target`` tokens; ``window`` is only checked) or ``contiguous``
-    (0 .. window - 1 over the first ``window`` tokens). ``chunks`` is used by ``pose``/``pose-ref`` only.
+    (positions 0 .. target - 1 over the first ``target`` tokens; ``window`` is only checked), ``contiguous``
+    (0 .. window - 1 over the first ``window`` tokens) or ``plain`` (ordinary fine-tuning: 0 .. window - 1 over
+    ``window`` consecutive tokens at offset v ~ U{0 .. doc_length - window} with content ``uniform``, the document
+    prefix otherwise). ``chunks`` is used by ``pose``/``pose-ref`` only.
     content (PoSE samplers): ``uniform``, ``zero`` or ``aligned`` offsets v_i (see ``_content_offsets``);
-    ``aligned`` needs doc_length >= target. One-span samplers take the document prefix (v_0 = 0), so content
-    has no effect there, except that ``aligned`` is rejected for ``randpos`` (its positions are not contiguous).
+    ``aligned`` needs doc_length >= target. The other one-span samplers take the document prefix (v_0 = 0), so
+    content has no effect there, except that ``aligned`` is rejected for ``randpos`` (its positions are not contiguous).
     Needs doc_length >= window (>= target for ``full`` and for ``aligned``).
     """
     if sampler not in SAMPLERS:
@@ -198,5 +200,8 @@ def sample_example(
         return Example(position_ids, spans, doc_length)
     if sampler == "randpos":
         return Example(randpos_position_ids(window, target, rng), [(0, window)], doc_length)
+    if sampler == "plain":
+        start = int(rng.integers(0, doc_length - window, endpoint=True)) if content == "uniform" else 0
+        return Example(np.arange(window, dtype=np.int64), [(start, window)], doc_length)
     length = target if sampler == "full" else window
     return Example(np.arange(length, dtype=np.int64), [(0, length)], doc_length)
