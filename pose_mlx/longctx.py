@@ -2,7 +2,8 @@
 
 - `load_eval_model`: any model reference finetune accepts (folder, .gguf file, hub id, alias); a folder written
   by `finetune` gets its `pose_mlx.json` schedule re-applied, a raw model can be extended on the fly with
-  `--schedule/--target` (e.g. PI-only: linear interpolation, no training).
+  `--schedule/--target` (e.g. PI-only: linear interpolation, no training), and so can a folder fine-tuned with
+  the original frequencies (`finetune --sampler plain --schedule none`: ordinary fine-tuning, extended at load).
 - `chunked_nll` / `chunked_logits` / `prefill`: feed a long sequence through mlx-lm's KV cache C tokens at a
   time ("chunked prefill"). Causal attention makes this exact: token t attends to the cached keys 0..t, so
   the logits equal those of one full forward, while the attention scores held at once are C x L instead of
@@ -33,7 +34,7 @@ from .errors import ArgumentParser, UserError
 from .eval_forward import eval_logits
 from .lengths import default_lengths, parse_lengths
 from .model import source
-from .model.patch import extend, use_length
+from .model.patch import extend, reschedule, use_length
 
 DEFAULT_CHUNK = 512
 
@@ -67,13 +68,12 @@ def load_eval_model(reference: str, schedule: str | None = None, target: str | N
     model, tokenizer, config = source.load(ref, return_config=True)
     cfg_original = source.original_window(config, ref)
     extension = getattr(model, "pose_extension", None)
-    if extension is not None:
-        if schedule or target:
-            raise UserError(f"--schedule/--target: {reference} is already extended ({extension.schedule}); "
-                            "drop them")
+    if extension is not None and not (schedule or target):
         return EvalModel(model, tokenizer, str(ref.path), extension.original, extension.target,
                          f"{extension.schedule} x{extension.factor:g} (from pose_mlx.json)", config)
-    base = int(original or cfg_original or 0)
+    if extension is not None and extension.schedule != "none":
+        raise UserError(f"--schedule/--target: {reference} is already extended ({extension.schedule}); drop them")
+    base = int(original or (extension.original if extension is not None else cfg_original) or 0)
     if schedule or target:
         if not target:
             raise UserError("--target: required with --schedule (the length to extend to)")
@@ -81,9 +81,13 @@ def load_eval_model(reference: str, schedule: str | None = None, target: str | N
             raise UserError("--original: the model config does not say its window; pass --original")
         length = _target_length(target, base)
         name = schedule or "linear"
-        extend(model, name, base, length)
+        if extension is not None:  # fine-tuned with the original frequencies (--sampler plain): extend it now
+            reschedule(model, name, base, length)
+        else:
+            extend(model, name, base, length)
+        how = "after plain fine-tuning" if extension is not None else "no training"
         return EvalModel(model, tokenizer, str(ref.path), base, length,
-                         f"{name} x{length / base:g} (--schedule, no training)", config)
+                         f"{name} x{length / base:g} (--schedule, {how})", config)
     maximum = config.get("max_position_embeddings") or base
     if not base or not maximum:
         raise UserError("--model: the config does not say the model's window; pass --original (and --lengths)")

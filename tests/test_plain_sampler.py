@@ -93,3 +93,27 @@ def test_plain_run_trains_at_original_frequencies_and_exports_the_schedule(tiny_
     base = mx.load(str(tiny_model / "model.safetensors"))
     trained = mx.load(str(out / "model.safetensors"))
     assert any(not np.array_equal(np.array(trained[k]), np.array(base[k])) for k in base)  # LoRA fused in
+
+
+def test_a_plain_run_exported_unextended_is_extended_at_load(tiny_model, text_dir, tmp_path, capsys):
+    """`--sampler plain --schedule none` exports the adapted model with its original RoPE; the evaluators'
+    `--schedule dynamic --target 8x` extends it at load (from the recorded original window), and a folder
+    exported with a real schedule still refuses a second one."""
+    from pose_mlx.errors import UserError
+    from pose_mlx.longctx import load_eval_model
+
+    out = tmp_path / "adapt"
+    code = main(["--model", str(tiny_model), "--target", "8x", "--schedule", "none", "--sampler", "plain",
+                 "--data", str(text_dir), "--output", str(out), "--cache-dir", str(tmp_path / "cache"),
+                 "--window", "16", "--steps", "2", "--lr", "1e-3", "--warmup", "1", "--no-progress"])
+    assert code == 0, capsys.readouterr().err
+    loaded = load_eval_model(str(out), "dynamic", "8x")
+    assert (loaded.original, loaded.maximum) == (ORIGINAL, 8 * ORIGINAL)
+    assert loaded.model.pose_extension.schedule == "dynamic" and "plain fine-tuning" in loaded.schedule
+    as_saved = load_eval_model(str(out))
+    assert as_saved.model.pose_extension.schedule == "none"
+    yarn = tmp_path / "adapt-yarn"
+    assert main(["--model", str(tiny_model), "--target", "8x", "--schedule", "yarn", "--sampler", "none",
+                 "--output", str(yarn)]) == 0
+    with pytest.raises(UserError, match="already extended"):
+        load_eval_model(str(yarn), "dynamic", "8x")
