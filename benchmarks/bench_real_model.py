@@ -35,6 +35,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS_DIR, run_metadata, write_results  # noqa: E402
 
+from pose_mlx.analysis.stats import wilson  # noqa: E402
+
 ORIGINAL, TARGET = 8192, 32768
 DOCS = Path("/usr/share/doc/python3.11/html/_sources")  # default --docs
 TRAINING_FREE = ("none", "linear", "ntk", "yarn", "dynamic")
@@ -264,13 +266,6 @@ def plots(results: dict, out_dir: Path) -> list[Path]:
                                       "average score", f"RULER ({RULER_TASKS}), SmolLM2-135M 8k -> 32k",
                                       ylim=(-0.05, 1.05), mark=ORIGINAL))
     return written
-
-
-def wilson(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval of a binomial proportion hits / n."""
-    p = hits / n
-    centre, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return max(0.0, (centre - half) / (1 + z * z / n)), min(1.0, (centre + half) / (1 + z * z / n))
 
 
 def accuracy_cell(accuracy: float, trials: int) -> str:

@@ -1,0 +1,100 @@
+"""Statistics of the evaluation protocol against published values and hand counts, and the protocol file's
+schema and stated power."""
+
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pose_mlx.analysis.stats import difference_interval, kendall_tau, power, verdict, wilson
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from protocol import PROTOCOLS, checked_power, difference_tests, discordant, load_protocol  # noqa: E402
+
+# Newcombe (1998), Table II, method 10 (hybrid score), to the four decimals printed there.
+NEWCOMBE = [((56, 70, 48, 80), (0.0524, 0.3339)), ((9, 10, 3, 10), (0.1705, 0.8090)),
+            ((6, 7, 2, 7), (0.0582, 0.8062)), ((5, 56, 0, 29), (-0.0381, 0.1926)),
+            ((0, 10, 0, 20), (-0.1611, 0.2775)), ((0, 10, 0, 10), (-0.2775, 0.2775)),
+            ((10, 10, 0, 20), (0.6791, 1.0000)), ((10, 10, 0, 10), (0.6075, 1.0000))]
+
+
+@pytest.mark.parametrize("counts, expected", NEWCOMBE)
+def test_difference_interval_reproduces_newcombes_table(counts, expected):
+    d, low, high = difference_interval(*counts)
+    assert d == pytest.approx(counts[0] / counts[1] - counts[2] / counts[3])
+    assert (round(low, 4), round(high, 4)) == expected
+
+
+def test_difference_interval_is_antisymmetric_and_wilson_matches_its_formula():
+    d, low, high = difference_interval(13, 16, 3, 4)
+    d2, low2, high2 = difference_interval(3, 4, 13, 16)
+    assert (d2, low2, high2) == pytest.approx((-d, -high, -low))
+    # Wilson by hand for 13/16: p = 0.8125, z^2 = 3.8415
+    z2 = 1.959963984540054 ** 2
+    centre = (0.8125 + z2 / 32) / (1 + z2 / 16)
+    half = 1.959963984540054 * math.sqrt(0.8125 * 0.1875 / 16 + z2 / 1024) / (1 + z2 / 16)
+    assert wilson(13, 16) == pytest.approx((centre - half, centre + half))
+    assert wilson(0, 10)[0] == 0.0 and wilson(10, 10)[1] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="hits"):
+        wilson(11, 10)
+
+
+def test_verdict_and_power():
+    assert verdict(0.01, 0.4) == "better" and verdict(-0.4, -0.01) == "worse"
+    assert verdict(-0.1, 0.3) == "not distinguishable"
+    assert power(1.0, 10, 0.0, 10) == pytest.approx(1.0)  # 10/10 vs 0/10: (0.6075, 1.0) always
+    assert power(0.5, 10, 0.5, 10) < 0.05  # no true difference: found at most at the test's level
+    # a larger sample has more power at the same accuracies
+    assert power(0.95, 24, 0.75, 24) < power(0.95, 60, 0.75, 60)
+
+
+@pytest.mark.parametrize("x, y, tau", [([1, 2, 3, 4], [1, 3, 2, 4], 4 / 6),  # 5 concordant, 1 discordant pair
+                                       ([1, 2, 3], [3, 2, 1], -1.0), ([5, 6, 7], [0.1, 0.2, 0.3], 1.0),
+                                       # tau-b with one tie in y: C=2, D=0, T_y=1 -> 2 / sqrt(3 * 2)
+                                       ([1, 2, 3], [1, 2, 2], 2 / math.sqrt(6))])
+def test_kendall_tau_by_hand(x, y, tau):
+    assert kendall_tau(x, y) == pytest.approx(tau)
+    assert kendall_tau(y, x) == pytest.approx(tau)
+
+
+def test_the_committed_protocol_loads_and_states_its_power_truly():
+    protocol = load_protocol(PROTOCOLS / "real_model.yaml")
+    assert protocol["passkey"]["trials"][32768] >= 24 and all(
+        protocol["passkey"]["trials"][n] >= 30 for n in (4096, 8192, 16384))
+    assert protocol["ruler"]["samples"] >= 5 and protocol["perplexity"]["target"]["documents"] >= 4
+    assert checked_power(protocol) == pytest.approx(protocol["power_checked"]["power"], abs=0.005)
+
+
+def test_protocol_schema_names_what_is_wrong(tmp_path):
+    good = yaml.safe_load((PROTOCOLS / "real_model.yaml").read_text())
+    for change, message in ((lambda p: p["runs"]["none"].update(role="oracle"), "role must be one of"),
+                            (lambda p: p["passkey"].pop("seed"), "passkey.seed"),
+                            (lambda p: p["test"]["lengths"].append(65536), "65536 has no passkey trials"),
+                            (lambda p: p["passkey"]["trials"].update({8192: 0}), "positive counts"),
+                            (lambda p: p["runs"].pop("pose-yarn"), "at least one run of role pose")):
+        bad = yaml.safe_load(yaml.safe_dump(good))
+        change(bad)
+        path = tmp_path / "bad.yaml"
+        path.write_text(yaml.safe_dump(bad))
+        with pytest.raises(ValueError, match=message):
+            load_protocol(path)
+
+
+def test_difference_tests_on_hand_made_counts():
+    protocol = load_protocol(PROTOCOLS / "real_model.yaml")
+    runs = {"pose-yarn": {"passkey": {"16384": 27 / 30, "32768": 21 / 24}, "passkey_trials": {"16384": 30, "32768": 24}},
+            "dynamic": {"passkey": {"16384": 15 / 30, "32768": 18 / 24}, "passkey_trials": {"16384": 30, "32768": 24}},
+            "adapt-yarn": {"passkey": {"16384": 28 / 30}, "passkey_trials": {"16384": 30}}}
+    tests = {(t["length"], t["control"]): t for t in difference_tests(protocol, runs)}
+    assert set(tests) == {(16384, "dynamic"), (16384, "adapt-yarn"), (32768, "dynamic")}
+    t = tests[(16384, "dynamic")]
+    assert t["difference"] == pytest.approx(0.4) and t["verdict"] == "better"
+    assert t["ci95"] == pytest.approx(list(difference_interval(27, 30, 15, 30)[1:]))
+    assert tests[(16384, "adapt-yarn")]["verdict"] == "not distinguishable"
+    assert tests[(32768, "dynamic")]["counts"] == {"pose-yarn": [21, 24], "dynamic": [18, 24]}
+    a = [{"correct": c} for c in (1, 1, 0, 0, 1)]
+    b = [{"correct": c} for c in (1, 0, 1, 0, 0)]
+    assert discordant(a, b) == (2, 1)
