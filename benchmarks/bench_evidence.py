@@ -10,9 +10,11 @@ Every run of the protocol is evaluated with the project's own commands and the S
   increasing order, 32k perplexity, RULER), each cached as one JSON in `results/real_model/protocol/eval/`, so an
   interrupted benchmark goes on where it stopped, in another session or on another machine (each JSON records the
   device that gave it); `--max-length` stops short of the long lengths on a slow machine;
-- the report stage writes the protocol's keys into `results/real_model/results.json` (`protocol`, `headline`,
-  `tests`, and per run `passkey`, `passkey_trials`, `ppl_unseen`, `ruler` of this confirmation stage, under
-  `protocol_runs`), leaving the exploratory stage's runs as they are.
+- the report stage writes the protocol's keys into `results/real_model/results.json`: `protocol`, `headline`,
+  `tests`, and for each of the protocol's runs its confirmation numbers (`passkey`, `passkey_trials`,
+  `ppl_unseen`, `ppl`, `ruler`, the devices) on top of its entry in `runs`, the exploratory stage's numbers
+  (`bench_real_model.py`, which keeps them there) under its `exploratory` key; and `protocol/report.md`,
+  `protocol/passkey.png`.
 """
 
 from __future__ import annotations
@@ -28,9 +30,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_real_model import DOCS, OUT, corpus, model_file, run  # noqa: E402
 from common import write_results  # noqa: E402
-from protocol import PROTOCOLS, difference_tests, load_protocol  # noqa: E402
+from protocol import PROTOCOLS, difference_tests, discordant, load_protocol  # noqa: E402
+
+from pose_mlx.analysis.stats import wilson  # noqa: E402
 
 EVAL = OUT / "protocol" / "eval"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def train_name(name: str, spec: dict) -> str:
@@ -53,9 +58,8 @@ def ensure_trained(name: str, spec: dict, protocol: dict, gguf: Path, work: Path
     evaluates the same model."""
     folder_name = train_name(name, spec)
     out = work / "runs" / folder_name
-    adapters = OUT / "protocol" / "adapters" / folder_name
-    legacy = OUT.parent / "real_model_lr3e-5" / "adapters" / folder_name  # the earlier run the protocol names
-    source = adapters if adapters.is_dir() else legacy if legacy.is_dir() else None
+    adapters = ROOT / spec["adapters"] if "adapters" in spec else OUT / "protocol" / "adapters" / folder_name
+    source = adapters if adapters.is_dir() else None
     if source is None:
         trained = work / "trained" / folder_name
         if not (trained / "adapters.safetensors").is_file():
@@ -199,6 +203,116 @@ def collect(protocol: dict) -> dict:
     return runs
 
 
+def trials(name: str, kind: str, length: int) -> list[dict] | None:
+    """A cached evaluation's per-trial records, or None."""
+    path = EVAL / f"{name}.{kind}.{length}.json"
+    return json.loads(path.read_text())["trials"] if path.is_file() else None
+
+
+def cell(accuracy: float, n: int) -> str:
+    low, high = wilson(round(accuracy * n), n)
+    return f"{accuracy:.2f} ({n}; {low:.2f}-{high:.2f})"
+
+
+def goal_rows(protocol: dict, runs: dict, name: str) -> list[tuple[str, object, bool | None]]:
+    """(goal, value, held or None while unmeasured) of the protocol's goals for run `name`."""
+    def get(run, key, length):
+        return runs.get(run, {}).get(key, {}).get(str(length))
+
+    base8, pk8 = get("none", "passkey", 8192), get(name, "passkey", 8192)
+    ppl2, base2 = get(name, "ppl_unseen", 2048), get("none", "ppl_unseen", 2048)
+    controls = [get(n, "ppl", protocol["target"]) for n, r in protocol["runs"].items() if r["role"] == "control"]
+    ppl32 = get(name, "ppl", protocol["target"])
+    best = min((c for c in controls if c is not None), default=None)
+    rows = [("passkey >= 0.95 at 4096", get(name, "passkey", 4096), lambda v: v >= 0.95),
+            ("passkey at 8192 >= the base's - 0.05", pk8,
+             None if base8 is None else (lambda v: v >= base8 - 0.05)),
+            ("passkey >= 0.9 at 16384", get(name, "passkey", 16384), lambda v: v >= 0.9),
+            ("passkey >= 0.85 at 32768", get(name, "passkey", 32768), lambda v: v >= 0.85),
+            ("unseen-domain perplexity at 2048 within 3% of the base's", ppl2,
+             None if base2 is None else (lambda v: abs(v / base2 - 1) <= 0.03)),
+            ("perplexity at 32768 below the best control's", ppl32,
+             None if best is None or None in controls else (lambda v: v < best))]
+    return [(goal, value, None if value is None or check is None else bool(check(value)))
+            for goal, value, check in rows]
+
+
+def write_report(protocol: dict, runs: dict, tests: list[dict], head: str) -> Path:
+    """protocol/report.md and protocol/passkey.png: the confirmation stage as far as it has run."""
+    out = OUT / "protocol"
+    lengths = sorted(protocol["passkey"]["trials"])
+    lines = [f"# Confirmation stage of `{protocol['name']}` (pre-registered: "
+             f"`benchmarks/protocols/real_model.yaml`, {protocol['registered']})", "",
+             "Every number below comes from the protocol's own trials (passkey seed "
+             f"{protocol['passkey']['seed']}); the exploratory stage (seeds 0 and 1) is in `../report.md` and is "
+             "never pooled with these. `-`: not run yet. Command: `python benchmarks/bench_evidence.py`.", "",
+             "## Passkey accuracy (trials; 95% Wilson interval), perplexity, RULER", "",
+             "| run | role | " + " | ".join(map(str, lengths)) + " | ppl 2k, unseen domain | ppl 32k | RULER average |",
+             "|---|---|" + "---|" * (len(lengths) + 3)]
+    for name, r in runs.items():
+        pk = [cell(r["passkey"][str(n)], r["passkey_trials"][str(n)]) if str(n) in r.get("passkey", {}) else "-"
+              for n in lengths]
+        ppl2 = r.get("ppl_unseen", {}).get("2048")
+        ppl32 = r.get("ppl", {}).get(str(protocol["target"]))
+        scores = list(r.get("ruler", {}).get("scores", {}).values())
+        numbers = ["-" if v is None else f"{v:.2f}" for v in (ppl2, ppl32)]
+        numbers.append(f"{sum(scores) / len(scores):.2f}" if scores else "-")
+        lines.append(f"| {name} | {r['role']} | " + " | ".join(pk + numbers) + " |")
+    lines += ["", "## The pre-registered test", "",
+              "PoSE minus control passkey accuracy; Newcombe's hybrid score interval, 95%; better if the interval "
+              "lies above 0, worse if below, else not distinguishable. Discordant pairs: matched trials (same key, "
+              "depth and filler) only PoSE / only the control got right.", "",
+              "| length | PoSE | control | difference | 95% interval | verdict | discordant |", "|---|---|---|---|---|---|---|"]
+    for t in tests:
+        pairs = t.get("discordant")
+        lines.append(f"| {t['length']} | {t['pose']} | {t['control']} | {t['difference']:+.2f} | "
+                     f"{t['ci95'][0]:+.2f} .. {t['ci95'][1]:+.2f} | {t['verdict']} | "
+                     + (f"{pairs['pose_only']} / {pairs['control_only']}" if pairs else "-") + " |")
+    if not tests:
+        lines.append("| - | - | - | - | - | not run yet | - |")
+    lines += ["", f"## Goals of the headline run ({head})", "", "| goal | value | held |", "|---|---|---|"]
+    for goal, value, held in goal_rows(protocol, runs, head):
+        shown = "-" if value is None else f"{value:.2f}"
+        lines.append(f"| {goal} | {shown} | {({True: 'yes', False: '**no**', None: 'not measured yet'})[held]} |")
+    devices = sorted({d for r in runs.values() for d in r.get("devices", {}).values() if d})
+    lines += ["", "Devices that gave these numbers: " + ("; ".join(devices) or "none yet") + "."]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    plot_passkey(runs, lengths, protocol["original"], out / "passkey.png")
+    return out / "report.md"
+
+
+def plot_passkey(runs: dict, lengths: list[int], original: int, path: Path) -> None:
+    """Passkey accuracy by length with 95% Wilson intervals, one line per run that has any."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not any(r.get("passkey") for r in runs.values()):
+        return
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    for name, r in runs.items():
+        xs = [n for n in lengths if str(n) in r.get("passkey", {})]
+        if not xs:
+            continue
+        acc = [r["passkey"][str(n)] for n in xs]
+        bounds = [wilson(round(a * r["passkey_trials"][str(n)]), r["passkey_trials"][str(n)]) for a, n in zip(acc, xs)]
+        ax.errorbar(xs, acc, yerr=[[a - lo for a, (lo, _) in zip(acc, bounds)], [hi - a for a, (_, hi) in zip(acc, bounds)]],
+                    marker="o", capsize=3, label=name)
+    ax.axvline(original, color="gray", linestyle="--", linewidth=1)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths, [f"{n // 1024}k" for n in lengths])
+    ax.set_xlabel("prompt length (tokens; dashed: the original 8k window)")
+    ax.set_ylabel("passkey accuracy")
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_title("Passkey, confirmation stage (95% Wilson intervals)")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def headline(protocol: dict, runs: dict) -> str:
     """The recommended PoSE run: the only one of role pose, else the one with the highest passkey at the target
     (the protocol's selection rule for recipes)."""
@@ -234,10 +348,21 @@ def main(argv=None) -> int:
     results_path = OUT / "results.json"
     results = json.loads(results_path.read_text())
     runs = collect(protocol)
-    results.update(protocol=str(args.protocol.resolve().relative_to(Path(__file__).resolve().parents[1])),
-                   protocol_runs=runs, tests=difference_tests(protocol, runs), headline=headline(protocol, runs))
+    tests = difference_tests(protocol, runs)
+    for t in tests:
+        a, b = (trials(t["pose"], "passkey", t["length"]), trials(t["control"], "passkey", t["length"]))
+        if a is not None and b is not None and len(a) == len(b):
+            t["discordant"] = dict(zip(("pose_only", "control_only"), discordant(a, b)))
+    for name, entry in runs.items():  # the confirmation stage at the top of each run, the exploratory one kept
+        earlier = results["runs"].get(name, {})
+        exploratory = earlier.get("exploratory", {}) if earlier.get("stage") == "confirmation" else earlier
+        results["runs"][name] = {"stage": "confirmation", **entry, **({"exploratory": exploratory} if exploratory else {})}
+    results.pop("protocol_runs", None)
+    results.update(protocol=str(args.protocol.resolve().relative_to(ROOT)), tests=tests,
+                   headline=headline(protocol, runs))
     write_results("real_model", {k: v for k, v in results.items() if k != "benchmark"}, results_path)
-    print(f"wrote {results_path}", flush=True)
+    report = write_report(protocol, runs, tests, results["headline"])
+    print(f"wrote {results_path} and {report}", flush=True)
     return 0
 
 

@@ -74,7 +74,7 @@ def test_protocol_schema_names_what_is_wrong(tmp_path):
                             (lambda p: p["passkey"].pop("seed"), "passkey.seed"),
                             (lambda p: p["test"]["lengths"].append(65536), "65536 has no passkey trials"),
                             (lambda p: p["passkey"]["trials"].update({8192: 0}), "positive counts"),
-                            (lambda p: p["runs"].pop("pose-yarn"), "at least one run of role pose")):
+                            (lambda p: p["runs"].pop("pose-yarn-lr3e-5"), "at least one run of role pose")):
         bad = yaml.safe_load(yaml.safe_dump(good))
         change(bad)
         path = tmp_path / "bad.yaml"
@@ -85,7 +85,8 @@ def test_protocol_schema_names_what_is_wrong(tmp_path):
 
 def test_difference_tests_on_hand_made_counts():
     protocol = load_protocol(PROTOCOLS / "real_model.yaml")
-    runs = {"pose-yarn": {"passkey": {"16384": 27 / 30, "32768": 21 / 24}, "passkey_trials": {"16384": 30, "32768": 24}},
+    runs = {"pose-yarn-lr3e-5": {"passkey": {"16384": 27 / 30, "32768": 21 / 24},
+                                 "passkey_trials": {"16384": 30, "32768": 24}},
             "dynamic": {"passkey": {"16384": 15 / 30, "32768": 18 / 24}, "passkey_trials": {"16384": 30, "32768": 24}},
             "adapt-yarn": {"passkey": {"16384": 28 / 30}, "passkey_trials": {"16384": 30}}}
     tests = {(t["length"], t["control"]): t for t in difference_tests(protocol, runs)}
@@ -94,7 +95,7 @@ def test_difference_tests_on_hand_made_counts():
     assert t["difference"] == pytest.approx(0.4) and t["verdict"] == "better"
     assert t["ci95"] == pytest.approx(list(difference_interval(27, 30, 15, 30)[1:]))
     assert tests[(16384, "adapt-yarn")]["verdict"] == "not distinguishable"
-    assert tests[(32768, "dynamic")]["counts"] == {"pose-yarn": [21, 24], "dynamic": [18, 24]}
+    assert tests[(32768, "dynamic")]["counts"] == {"pose-yarn-lr3e-5": [21, 24], "dynamic": [18, 24]}
     a = [{"correct": c} for c in (1, 1, 0, 0, 1)]
     b = [{"correct": c} for c in (1, 0, 1, 0, 0)]
     assert discordant(a, b) == (2, 1)
