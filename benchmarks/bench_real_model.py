@@ -407,7 +407,10 @@ def report(results: dict, out_dir: Path) -> Path:
     runs = results["runs"]
     lines = ["# SmolLM2-135M-Instruct, 8k -> 32k: PoSE against training-free scaling", "",
              f"Model: `{results['model']}` (original window {ORIGINAL}, target {TARGET}). Command: "
-             "`python benchmarks/bench_real_model.py` (see its docstring).", ""]
+             "`python benchmarks/bench_real_model.py` (see its docstring).", "",
+             "This is the exploratory stage (10-16 trials per length, PoSE's rivals not fine-tuned). The "
+             "pre-registered confirmation stage, with fairly adapted controls and 24-30 trials per length, is "
+             "[protocol/report.md](protocol/report.md) ([why](../../../docs/evidence.md)).", ""]
     for key, title, fmt in (("passkey", "Passkey accuracy (trials, 95% interval)", ".2f"), ("ppl", "Perplexity", ".2f")):
         lengths = sorted({int(n) for r in runs.values() for n in r.get(key, {})})
         if not lengths:
