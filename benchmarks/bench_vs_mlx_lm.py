@@ -75,6 +75,7 @@ for _ in range(5):
     times.append(time.perf_counter() - t0)
 print("BLAS_PROBE " + json.dumps({"library": status.get("library"), "gflops": 2 * 1024**3 / sorted(times)[2] / 1e9}),
       flush=True)
+del a, b  # the tool's peak memory holds only its own arrays
 tool, argv = sys.argv[1], sys.argv[2:]
 if tool == "pose_mlx":
     from pose_mlx.finetune import main
@@ -164,8 +165,9 @@ def _clocks(pid: int) -> tuple[float | None, int | None]:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), switches
 
 
-def run(cmd: list[str], tool: str, args) -> dict:
-    """Run one child; the wall and CPU clocks at each update's report, the BLAS probe and the child's output."""
+def run(cmd: list[str], tool: str, args, timeout: float | None = None) -> dict:
+    """Run one child; the wall and CPU clocks at each update's report, the BLAS probe and the child's output.
+    A child still running after `timeout` seconds is killed and TimeoutError raised."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(HERE.parent), os.environ.get("PYTHONPATH"))
                                                       if p), PYTHONUNBUFFERED="1", NO_COLOR="1")
     if args.threads:
@@ -191,12 +193,18 @@ def run(cmd: list[str], tool: str, args) -> dict:
 
     readers = [threading.Thread(target=read, args=(proc.stdout, "stdout")),
                threading.Thread(target=read, args=(proc.stderr, "stderr"))]
-    for reader in readers:
-        reader.start()
+    expired = threading.Event()
+    timer = threading.Timer(timeout, lambda: (expired.set(), proc.kill())) if timeout is not None else None
+    for thread in (*readers, *([timer] if timer else [])):
+        thread.start()
     for reader in readers:
         reader.join()
     proc.wait()
+    if timer is not None:
+        timer.cancel()
     stdout, stderr = "\n".join(texts["stdout"]), "\n".join(texts["stderr"])
+    if expired.is_set():
+        raise TimeoutError(f"{tool} was stopped after {timeout:.0f} s (last output: {stderr[-300:]!r})")
     if proc.returncode != 0:
         raise SystemExit(f"{tool} failed (exit {proc.returncode}):\n{stdout[-2000:]}\n{stderr[-3000:]}")
     probe = next(json.loads(line[len(PROBE):]) for line in stdout.splitlines() if line.startswith(PROBE))

@@ -1,0 +1,513 @@
+"""One GPU check in one command: `python benchmarks/bench_gpu.py` (about 8 minutes on one H100 / H200).
+
+It builds a random Llama-2-7B-shaped bfloat16 llama itself (32 blocks, hidden 4096, 32 heads, intermediate 11008,
+vocabulary 32000, untied head; mlx-lm's llama class, written by `pose_mlx.toy`'s pieces with a sentencepiece
+tokenizer trained offline on the standard library, 512 pieces), an mlx-lm data folder of standard-library source
+(`bench_vs_mlx_lm.make_inputs`: every document longer than the window), and then measures, every tool run as its
+real command line in a child process (`bench_vs_mlx_lm.command` / `run`), LoRA rank 8 on every block, batch 1,
+`--target 32k --window 4096`:
+
+  plan         `python -m pose_mlx.plan --json` per configuration (compiled / eager x gradient checkpointing
+               on / off) against the largest `peak_memory_gb` of a real `python -m pose_mlx.finetune` run's
+               train_log.jsonl; a configuration whose prediction exceeds the device's memory is not run;
+  first update the first update's seconds (compiled, checkpointing) from the log of the first run on the machine
+               (it holds MLX's kernel compilation) and of the later, warm runs;
+  throughput   pose_mlx vs `mlx_lm lora` (same model folder, rows, LoRA rank and blocks, batch 1, gradient
+               checkpointing in both), interleaved; an update's time is the time between two consecutive
+               progress reports stamped by this script (`bench_vs_mlx_lm.periods`), median per run, tokens/s =
+               (window - 1) / that; ratio = pose_mlx tokens/s / mlx-lm tokens/s;
+  row length   pose_mlx at windows 4096 and 4097 (4095- vs 4096-token rows fed to the model), side by side;
+               when `python -m pose_mlx.finetune --help` lists a row-alignment flag these two run with it off,
+               and pose_mlx's default is compared with it off at window 4096;
+  tests        `python -m pytest -q -p no:cacheprovider` (with `-n 6` when pytest-xdist is installed; this
+               benchmark's own test is left out), passed / failed / skipped from pytest's summary line.
+
+Time: the run stops within `--budget` seconds (default 460): stages run in order of importance (the first
+compiled run, one interleaved round, the eager and no-checkpointing runs, a second round), `--tests-seconds`
+(default 160) are kept for the test suite, and a run that would not fit the time left is skipped and recorded so.
+`--dry-run` runs every stage on a tiny llama (2 blocks, hidden 64, window 256, 2-4 updates) on MLX's default
+device (the CPU on a machine without GPU) with a small part of the test suite, and writes to a temporary file
+unless `--output` says where. Without a GPU (MLX's default device is the CPU) only `--dry-run` runs.
+Writes benchmarks/results/gpu/gpu.json (`common.write_results`: the date, versions and machine added).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+from bench_vs_mlx_lm import DRIVER, check_lengths, command, make_inputs, own_seconds, periods, run  # noqa: E402
+from common import RESULTS_DIR, write_results  # noqa: E402
+
+DEFAULT_OUTPUT = RESULTS_DIR / "gpu" / "gpu.json"
+INFO = "BENCH_GPU_MODEL "
+
+#: Model and run sizes: Llama-2-7B's shapes, and the dry run's tiny llama on the same code path.
+SIZES = {
+    "full": dict(hidden=4096, layers=32, heads=32, intermediate=11008, vocab=32000, window=4096, factor=8,
+                 steps=5, plan_steps=3, rounds=2, docs=8, dtype="bfloat16",
+                 tests=["--ignore=tests/test_bench_gpu.py"]),
+    "dry": dict(hidden=64, layers=2, heads=4, intermediate=172, vocab=1024, window=256, factor=8,
+                steps=4, plan_steps=2, rounds=1, docs=8, dtype="bfloat16", tests=["tests/test_rope_schedules.py"]),
+}
+
+#: The memory configurations: (name, compiled, gradient checkpointing).
+CONFIGS = (("compiled, checkpointing", True, True), ("eager, checkpointing", False, True),
+           ("compiled, no checkpointing", True, False), ("eager, no checkpointing", False, False))
+
+#: The child that builds the model folder and reports the device.
+BUILD = r"""
+import json, os, sys
+import pose_mlx
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from pose_mlx import toy
+from pose_mlx.model.source import build_model
+folder, size = sys.argv[1], json.loads(sys.argv[2])
+info = mx.device_info() if hasattr(mx, "device_info") else {}
+gpu = mx.default_device() == mx.gpu
+memory = info.get("total_memory") or info.get("memory_size") or (
+    os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+report = {"gpu": gpu, "device": str(info.get("device_name") or info.get("architecture") or mx.default_device()),
+          "device_memory_bytes": int(memory), "mlx": mx.__version__, "default_device": str(mx.default_device())}
+if gpu or size["dry_run"]:
+    toy.train_tokenizer(toy.stdlib_texts(max_chars=toy.DEFAULT_TOKENIZER_CHARS), folder, vocab_size=512)
+    tok = toy.tokenizer_info(folder)
+    config = toy.model_config(tok["vocab_size"], hidden_size=size["hidden"], num_layers=size["layers"],
+                              num_heads=size["heads"], intermediate_size=size["intermediate"],
+                              max_position_embeddings=size["window"], tie_word_embeddings=False,
+                              bos_token_id=tok["bos_token_id"], eos_token_id=tok["eos_token_id"],
+                              extra_config={"vocab_size": size["vocab"], "torch_dtype": size["dtype"]})
+    model = build_model(config, seed=0)
+    model.set_dtype(getattr(mx, size["dtype"]))
+    toy.save_model_folder(model, config, folder, folder)
+    report["parameters"] = sum(v.size for _, v in tree_flatten(model.parameters()))
+print("BENCH_GPU_MODEL " + json.dumps(report), flush=True)
+"""
+
+
+class Clock:
+    """Seconds left: `budget` from the start for everything, `reserve` of them kept for the test suite."""
+
+    def __init__(self, budget: float | None, reserve: float):
+        self.start, self.budget, self.reserve = time.perf_counter(), budget, reserve
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def left(self, tests: bool = False) -> float | None:
+        if self.budget is None:
+            return None
+        return self.budget - self.elapsed() - (0.0 if tests else self.reserve)
+
+
+def say(clock: Clock, text: str) -> None:
+    print(f"[{clock.elapsed():6.1f} s] {text}", flush=True)
+
+
+def child_env() -> dict:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+                PYTHONUNBUFFERED="1", NO_COLOR="1")
+
+
+def build_model(folder: Path, size: dict, dry_run: bool) -> dict:
+    """Build the model folder in a child (this process never starts MLX); the device it saw."""
+    proc = subprocess.run([sys.executable, "-c", BUILD, str(folder), json.dumps({**size, "dry_run": dry_run})],
+                          env=child_env(), capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(INFO)]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"building the model failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[0][len(INFO):])
+
+
+def align_flags(help_text: str) -> tuple[list[str], list[str]] | None:
+    """(flag that sets row alignment off, the same flag at pose_mlx's default = []) when finetune's --help lists a
+    flag with 'align' in its name: its `--no-` form when listed, else the flag with the value 'off'."""
+    names = re.findall(r"(?<![\w-])--([\w-]*align[\w-]*)", help_text)
+    if not names:
+        return None
+    negative = [n for n in names if n.startswith("no-")]
+    if negative:
+        return [f"--{negative[0]}"], []
+    return [f"--{names[0]}", "off"], []
+
+
+def predict(argv: list[str], timeout: float | None) -> dict:
+    """`python -m pose_mlx.plan <finetune flags> --json`: the predicted peak and whether the plan says it fits."""
+    proc = subprocess.run([sys.executable, "-m", "pose_mlx.plan", *argv, "--json"], env=child_env(),
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        return {"error": proc.stderr.strip()[-500:]}
+    plan = json.loads(proc.stdout)
+    return {"predicted_bytes": int(plan["peak_bytes"]), "phase": plan.get("phase"), "plan_fits": plan.get("fits"),
+            "plan_available_bytes": plan.get("available_bytes"), "breakdown": plan.get("breakdown")}
+
+
+class Runner:
+    """Runs pose_mlx and mlx-lm on the benchmark's model and data, each run inside the time left."""
+
+    def __init__(self, args, size: dict, model: Path, data: Path, work: Path, clock: Clock, align):
+        self.size, self.model, self.data, self.work, self.clock, self.align = size, model, data, work, clock, align
+        self.base = SimpleNamespace(**{k: size[k] for k in ("hidden", "layers", "heads", "vocab", "window",
+                                                            "factor", "docs")},
+                                    batch=1, lora_rank=args.lora_rank, threads=args.threads, steps=size["steps"])
+        self.durations: list[float] = []
+
+    def args_for(self, window: int, steps: int) -> SimpleNamespace:
+        return SimpleNamespace(**{**vars(self.base), "window": window, "steps": steps})
+
+    def pose_argv(self, window: int, steps: int, compiled: bool = True, checkpoint: bool = True,
+                  extra: tuple = ()) -> list[str]:
+        """pose_mlx.finetune's flags (bench_vs_mlx_lm's LoRA command, `--target factor x`) for this run."""
+        cmd = command("pose_mlx", "lora", steps, self.args_for(window, steps), self.model, self.data, self.work)
+        return cmd[4:] + (["--grad-checkpoint"] if checkpoint else []) + ([] if compiled else ["--no-compile"]) \
+            + list(extra)
+
+    def timeout(self) -> float | None:
+        """Seconds the next run may take; None: no limit. Raises TimeoutError when too little is left for a run
+        as long as the median run so far (at least 20 s)."""
+        left = self.clock.left()
+        if left is None:
+            return None
+        if left < max(20.0, statistics.median(self.durations) if self.durations else 0.0):
+            raise TimeoutError(f"skipped: {max(left, 0):.0f} s left of the budget")
+        return left
+
+    def _run(self, tool: str, cmd: list[str], args) -> dict:
+        t0 = time.perf_counter()
+        try:
+            return run(cmd, tool, args, timeout=self.timeout())
+        finally:
+            self.durations.append(time.perf_counter() - t0)
+
+    def pose(self, label: str, window: int, steps: int, compiled: bool = True, checkpoint: bool = True,
+             extra: tuple = ()) -> dict:
+        """One pose_mlx run: seconds per update (this script's clock, else the log's), peak bytes, first update."""
+        args = self.args_for(window, steps)
+        argv = self.pose_argv(window, steps, compiled, checkpoint, extra)
+        record = {"label": label, "tool": "pose_mlx", "window": window, "input_tokens": window - 1, "steps": steps,
+                  "compiled": compiled, "grad_checkpoint": checkpoint, "extra_flags": list(extra)}
+        say(self.clock, f"pose_mlx {label}: window {window}, {steps} updates, "
+                        f"{'compiled' if compiled else 'eager'}, checkpointing {'on' if checkpoint else 'off'} "
+                        f"{' '.join(extra)}")
+        out = self.work / "pose_out"
+        try:
+            t0 = time.perf_counter()
+            result = self._run("pose_mlx", [sys.executable, "-c", DRIVER, "pose_mlx", *argv], args)
+            record["run_seconds"] = time.perf_counter() - t0
+            log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines() if line.strip()]
+            record["peak_bytes"] = int(max(r["peak_memory_gb"] for r in log) * 2**30)
+            record["first_update_seconds"] = next(r["seconds"] for r in log if r["step"] == 1)
+            if steps >= 3:  # updates 2 .. steps-1 are timed
+                record.update(_per_update(result, "pose_mlx", args, self.work))
+        except (TimeoutError, SystemExit) as error:
+            record["error"] = str(error)[-1500:]
+        finally:
+            shutil.rmtree(out, ignore_errors=True)  # a 7B export is 13 GB: one at a time on the disk
+            shutil.rmtree(self.work / "pose_out.partial", ignore_errors=True)
+        say(self.clock, "  " + _describe(record))
+        return record
+
+    def mlx_lm(self, window: int, steps: int) -> dict:
+        """One `mlx_lm lora` run with gradient checkpointing on the same rows."""
+        args = self.args_for(window, steps)
+        cmd = command("mlx_lm", "lora", steps, args, self.model, self.data, self.work) + ["--grad-checkpoint"]
+        record = {"label": "mlx_lm", "tool": "mlx_lm", "window": window, "input_tokens": window - 1, "steps": steps,
+                  "grad_checkpoint": True}
+        say(self.clock, f"mlx_lm lora: window {window}, {steps} updates, checkpointing on")
+        try:
+            t0 = time.perf_counter()
+            result = self._run("mlx_lm", cmd, args)
+            record["run_seconds"] = time.perf_counter() - t0
+            record.update(_per_update(result, "mlx_lm", args, self.work))
+        except (TimeoutError, SystemExit) as error:
+            record["error"] = str(error)[-1500:]
+        finally:
+            shutil.rmtree(self.work / "mlx_lm_out", ignore_errors=True)
+        say(self.clock, "  " + _describe(record))
+        return record
+
+
+def _per_update(result: dict, tool: str, args, work: Path) -> dict:
+    """Median seconds per update and tokens/s: this script's clock between progress reports when at least two
+    were seen (`periods`), else the tool's own figures (a progress bar may skip reports of very short updates)."""
+    own = own_seconds(tool, result, args, work)
+    try:
+        seconds, clock = periods(result["marks"], args.steps)["wall"], "reports"
+    except SystemExit:
+        seconds, clock = own, "own"
+    if not seconds:
+        raise SystemExit(f"{tool}: no timed update among 2 .. {args.steps - 1}")
+    s = statistics.median(seconds)
+    tokens = args.batch * (args.window - 1)
+    return {"s_per_update": s, "tokens_per_s": tokens / s, "clock": clock, "seconds": seconds,
+            "own_s_per_update": statistics.median(own) if own else None}
+
+
+def _describe(record: dict) -> str:
+    if "error" in record:
+        return f"not measured: {record['error'].splitlines()[0] if record['error'] else 'error'}"
+    parts = [f"{record['s_per_update']:.3f} s/update, {record['tokens_per_s']:.0f} tokens/s"] \
+        if "s_per_update" in record else []
+    if "peak_bytes" in record:
+        parts.append(f"peak {record['peak_bytes'] / 2**30:.2f} GiB, first update {record['first_update_seconds']:.1f} s")
+    return "; ".join(parts) + f" ({record['run_seconds']:.0f} s in all)"
+
+
+def run_tests(args, size: dict, clock: Clock, dry_run: bool) -> dict:
+    """The test suite (or the dry run's part of it) in a child, within the time left; counts from pytest's summary
+    line, or from its progress characters when it had to be stopped."""
+    workers = args.test_workers if importlib.util.find_spec("xdist") and not dry_run else 0
+    # -o addopts= : pyproject's own -q would make this -qq, which prints no summary line
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+           *(["-n", str(workers)] if workers else []), *size["tests"]]
+    left = clock.left(tests=True)
+    say(clock, f"tests: {' '.join(cmd[1:])}" + (f" (at most {left:.0f} s)" if left is not None else ""))
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        output, complete = proc.communicate(timeout=max(left, 1.0) if left is not None else None)[0], True
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # pytest and its xdist workers, which this script started
+        output, complete = proc.communicate()[0], False
+    counts = parse_pytest(output)
+    record = {**counts, "complete": complete and counts["summary"] is not None, "exit_code": proc.returncode,
+              "seconds": time.perf_counter() - t0, "command": " ".join(["python", *cmd[1:]]),
+              "tail": output[-1500:]}
+    say(clock, f"  {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped"
+               + ("" if record["complete"] else " (stopped before the end: counted from its progress)"))
+    return record
+
+
+_SUMMARY = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)")
+_PROGRESS = re.compile(r"^([.FsExX]+)\s*(\[\s*\d+%\])?$")
+
+
+def parse_pytest(output: str) -> dict:
+    """passed / failed / skipped / errors (ints) from pytest's last summary line ('3 passed, 1 skipped in 2.0s');
+    without one (a run that was stopped), from the `-q` progress characters (. F s E x X)."""
+    lines = output.splitlines()
+    summary = next((line for line in reversed(lines) if re.search(r"\b(passed|failed|skipped|errors?|no tests ran)\b",
+                                                                  line) and re.search(r" in [\d.]+s", line)), None)
+    counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
+    if summary is not None:
+        for number, word in _SUMMARY.findall(summary):
+            key = "errors" if word.startswith("error") else word
+            if key in counts:
+                counts[key] += int(number)
+    else:
+        chars = "".join(m.group(1) for m in map(_PROGRESS.match, (line.strip() for line in lines)) if m)
+        counts.update(passed=chars.count("."), failed=chars.count("F"), skipped=chars.count("s"),
+                      errors=chars.count("E"))
+    return {**counts, "summary": summary.strip("= ") if summary else None}
+
+
+def rates(records: list[dict], label: str) -> list[float]:
+    return [r["tokens_per_s"] for r in records if r.get("label") == label and "tokens_per_s" in r]
+
+
+def ratio_of(a: list[float], b: list[float]) -> dict | None:
+    """Median tokens/s of each side and their ratio a / b (None when either side has no measurement)."""
+    if not a or not b:
+        return None
+    ma, mb = statistics.median(a), statistics.median(b)
+    return {"a": ma, "b": mb, "ratio": ma / mb}
+
+
+def measure(args, size: dict, work: Path, clock: Clock, dry_run: bool) -> dict:
+    stages: dict[str, float] = {}
+
+    def stage(name: str, t0: float) -> None:
+        stages[name] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    say(clock, f"model: {size['layers']} blocks, hidden {size['hidden']}, {size['heads']} heads, intermediate "
+               f"{size['intermediate']}, vocabulary {size['vocab']}, {size['dtype']}")
+    model = work / "model"
+    device = build_model(model, size, dry_run)
+    if not device["gpu"] and not dry_run:
+        print(f"error: MLX's default device is {device['default_device']}, not a GPU; this benchmark needs one "
+              "(pip install -e \".[cuda,test]\" on a CUDA machine), or pass --dry-run", file=sys.stderr)
+        sys.exit(2)
+    say(clock, f"  {device['parameters']:,} parameters on {device['device']} "
+               f"({device['device_memory_bytes'] / 2**30:.1f} GiB), mlx {device['mlx']}")
+    stage("model", t0)
+
+    t0 = time.perf_counter()
+    window = size["window"]
+    data_args = SimpleNamespace(window=window + 1, docs=size["docs"], doc_chars=6 * (window + 1))
+    model, data = make_inputs(data_args, work)
+    shortest = check_lengths(data_args, model, data)
+    help_text = subprocess.run([sys.executable, "-m", "pose_mlx.finetune", "--help"], env=child_env(),
+                               capture_output=True, text=True).stdout
+    align = align_flags(help_text)
+    say(clock, f"data: {size['docs']} documents of >= {shortest} tokens; row alignment flag: "
+               + (" ".join(align[0]) + " (off)" if align else "none"))
+    stage("data", t0)
+
+    runner = Runner(args, size, model, data, work, clock, align)
+    off = tuple(align[0]) if align else ()
+
+    t0 = time.perf_counter()
+    plan = []
+    for name, compiled, checkpoint in CONFIGS:
+        prediction = predict(runner.pose_argv(window, size["plan_steps"], compiled, checkpoint), timeout=120)
+        fits = prediction.get("predicted_bytes", 0) <= device["device_memory_bytes"] and "error" not in prediction
+        plan.append({"config": name, "compiled": compiled, "grad_checkpoint": checkpoint, **prediction,
+                     "fits_device": fits, "measured_bytes": None})
+        say(clock, f"plan {name}: " + (f"{prediction['predicted_bytes'] / 2**30:.2f} GiB predicted"
+                                       if "predicted_bytes" in prediction else prediction["error"])
+            + ("" if fits else " - does not fit the device, not run"))
+    stage("plan", t0)
+
+    records: list[dict] = []
+
+    def measured(entry: dict, record: dict) -> None:
+        records.append(record)
+        if "peak_bytes" in record:
+            entry["measured_bytes"] = record["peak_bytes"]
+            entry["error"] = record["peak_bytes"] / entry["predicted_bytes"] - 1
+            entry["first_update_seconds"] = record["first_update_seconds"]
+        else:
+            entry["not_measured"] = record.get("error")
+
+    def round_(r: int) -> None:
+        runs = [lambda: runner.mlx_lm(window, size["steps"]), lambda: runner.pose("default", window, size["steps"])]
+        if align:
+            runs.append(lambda: runner.pose("rows off", window, size["steps"], extra=off))
+        runs.append(lambda: runner.pose("rows +1", window + 1, size["steps"], extra=off))
+        for fn in runs if r % 2 == 0 else runs[::-1]:
+            records.append(fn())
+
+    t0 = time.perf_counter()
+    first = runner.pose("first", window, size["plan_steps"])
+    if plan[0]["fits_device"]:
+        measured(plan[0], first)
+    else:
+        records.append(first)
+    stage("first_run", t0)
+
+    t0 = time.perf_counter()
+    round_(0)
+    stage("round_1", t0)
+
+    t0 = time.perf_counter()
+    for entry in plan[1:]:
+        if not entry["fits_device"]:
+            entry["not_measured"] = "the plan's prediction exceeds the device's memory"
+            continue
+        record = runner.pose(entry["config"], window, size["plan_steps"], entry["compiled"], entry["grad_checkpoint"])
+        measured(entry, record)
+    stage("memory_runs", t0)
+
+    t0 = time.perf_counter()
+    for r in range(1, size["rounds"]):
+        round_(r)
+    stage("more_rounds", t0)
+
+    throughput = ratio_of(rates(records, "default"), rates(records, "mlx_lm"))
+    rows = ratio_of(rates(records, "rows +1"), rates(records, "rows off" if align else "default"))
+    aligned = ratio_of(rates(records, "default"), rates(records, "rows off")) if align else None
+    warm_first = [r["first_update_seconds"] for r in records if r.get("label") == "default"
+                  and "first_update_seconds" in r]
+
+    t0 = time.perf_counter()
+    tests = run_tests(args, size, clock, dry_run) if not args.skip_tests else None
+    stage("tests", t0)
+
+    return {
+        "device": device["device"],
+        "device_memory_bytes": device["device_memory_bytes"],
+        "mlx": device["mlx"],
+        "dry_run": dry_run,
+        "tests": tests,
+        "plan": plan,
+        "throughput": None if throughput is None else {
+            "pose_mlx": throughput["a"], "mlx_lm": throughput["b"], "ratio": throughput["ratio"],
+            "tokens_per_update": window - 1, "rounds": len(rates(records, "mlx_lm"))},
+        "row_length": None if rows is None else {
+            "windows": [window, window + 1], "input_tokens": [window - 1, window],
+            "tokens_per_s": [rows["b"], rows["a"]], "ratio": rows["ratio"],
+            "alignment": "off (" + " ".join(off) + ")" if align else "no alignment flag in pose_mlx.finetune"},
+        "alignment": None if aligned is None else {
+            "flag_off": list(off), "default_tokens_per_s": aligned["a"], "off_tokens_per_s": aligned["b"],
+            "ratio": aligned["ratio"]},
+        "first_update_seconds": first.get("first_update_seconds"),
+        "first_update_seconds_warm": statistics.median(warm_first) if warm_first else None,
+        "runs": records,
+        "stage_seconds": stages,
+        "total_seconds": clock.elapsed(),
+        "model": {"parameters": device["parameters"], "layers": size["layers"], "hidden": size["hidden"],
+                  "heads": size["heads"], "intermediate": size["intermediate"], "vocab": size["vocab"],
+                  "dtype": size["dtype"], "tie_word_embeddings": False},
+        "config": {"window": window, "target": window * size["factor"], "lora_rank": args.lora_rank,
+                   "lora_layers": "all", "batch": 1, "steps": size["steps"], "plan_steps": size["plan_steps"],
+                   "rounds": size["rounds"], "budget_s": None if dry_run else args.budget,
+                   "tests_s": None if dry_run else args.tests_seconds},
+        "method": ("per update = time between the progress reports of updates n-1 and n (n = 2 .. steps-1) "
+                   "stamped by this script, median per run; throughput and row-length ratios = median tokens/s over "
+                   "runs of one side / the other's, the runs interleaved; peaks = the largest peak_memory_gb of a "
+                   "run's train_log.jsonl"),
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dry-run", action="store_true",
+                        help="every stage on a tiny llama (2 blocks, hidden 64, window 256) with a small part of the "
+                             "test suite, on MLX's default device; writes to a temporary file unless --output")
+    parser.add_argument("--output", help=f"JSON path (default {DEFAULT_OUTPUT.relative_to(ROOT)}; with --dry-run a "
+                                         "file in the temporary directory)")
+    parser.add_argument("--skip-tests", action="store_true", help="do not run the test suite ('tests' is null)")
+    parser.add_argument("--budget", type=float, default=460.0,
+                        help="seconds for the whole benchmark: runs that would not fit are skipped and recorded so "
+                             "(default 460; ignored with --dry-run)")
+    parser.add_argument("--tests-seconds", type=float, default=160.0,
+                        help="seconds of the budget kept for the test suite, which is stopped at the end of the "
+                             "budget (default 160)")
+    parser.add_argument("--test-workers", type=int, default=6,
+                        help="pytest-xdist workers (-n) when pytest-xdist is installed (default 6; 0: none)")
+    parser.add_argument("--lora-rank", type=int, default=8, help="LoRA rank of both tools (default 8)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="OPENBLAS_NUM_THREADS of the training children (default 0: leave the environment alone)")
+    parser.add_argument("--workdir", help="folder for the model, data and outputs (kept; default: a temporary one, "
+                                          "removed at the end)")
+    args = parser.parse_args(argv)
+    if args.budget <= 0 or args.tests_seconds < 0 or args.test_workers < 0 or args.lora_rank < 1 or args.threads < 0:
+        parser.error("need --budget > 0, --tests-seconds >= 0, --test-workers >= 0, --lora-rank >= 1, --threads >= 0")
+    output = Path(args.output) if args.output else (
+        Path(tempfile.gettempdir()) / "bench_gpu_dry_run.json" if args.dry_run else DEFAULT_OUTPUT)
+    if args.dry_run and output.resolve() == DEFAULT_OUTPUT.resolve():
+        parser.error(f"--dry-run does not write {DEFAULT_OUTPUT.relative_to(ROOT)} (its numbers are a toy's)")
+    size = SIZES["dry" if args.dry_run else "full"]
+    clock = Clock(None if args.dry_run else args.budget, 0.0 if args.skip_tests else args.tests_seconds)
+    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench_gpu-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        results = measure(args, size, work, clock, args.dry_run)
+    finally:
+        if not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+    path = write_results("gpu", results, output)
+    say(clock, f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
