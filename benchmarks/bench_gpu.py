@@ -10,8 +10,9 @@ real command line in a child process (`bench_vs_mlx_lm.command` / `run`), LoRA r
   plan         `python -m pose_mlx.plan --json` per configuration (compiled / eager x gradient checkpointing
                on / off) against the largest `peak_memory_gb` of a real `python -m pose_mlx.finetune` run's
                train_log.jsonl; a configuration whose prediction exceeds the device's memory is not run;
-  first update the first update's seconds (compiled, checkpointing) from the log of the first run on the machine
-               (it holds MLX's kernel compilation) and of the later, warm runs;
+  first update the first update's seconds from the log: of the first compiled run (after one eager run, which
+               leaves MLX's CUDA kernels compiled in its on-disk cache: what `mx.compile` adds), of the eager run
+               (the first on the machine) and of the later compiled runs;
   throughput   pose_mlx vs `mlx_lm lora` (same model folder, rows, LoRA rank and blocks, batch 1, gradient
                checkpointing in both), interleaved; an update's time is the time between two consecutive
                progress reports stamped by this script (`bench_vs_mlx_lm.periods`), median per run, tokens/s =
@@ -22,9 +23,10 @@ real command line in a child process (`bench_vs_mlx_lm.command` / `run`), LoRA r
   tests        `python -m pytest -q -p no:cacheprovider` (with `-n 6` when pytest-xdist is installed; this
                benchmark's own test is left out), passed / failed / skipped from pytest's summary line.
 
-Time: the run stops within `--budget` seconds (default 460): stages run in order of importance (the first
-compiled run, one interleaved round, the eager and no-checkpointing runs, a second round), `--tests-seconds`
-(default 160) are kept for the test suite, and a run that would not fit the time left is skipped and recorded so.
+Time: the run stops within `--budget` seconds (default 460): stages run in order of importance (the eager and
+the compiled run with checkpointing, one interleaved round, the runs without checkpointing, a second round),
+`--tests-seconds` (default 160) are kept for the test suite, a run is stopped after `--run-seconds` (default 150),
+and a run that would not fit the time left is skipped; both are recorded with the reason.
 `--dry-run` runs every stage on a tiny llama (2 blocks, hidden 64, window 256, 2-4 updates) on MLX's default
 device (the CPU on a machine without GPU) with a small part of the test suite, and writes to a temporary file
 unless `--output` says where. Without a GPU (MLX's default device is the CPU) only `--dry-run` runs.
@@ -135,16 +137,16 @@ def build_model(folder: Path, size: dict, dry_run: bool) -> dict:
     return json.loads(lines[0][len(INFO):])
 
 
-def align_flags(help_text: str) -> tuple[list[str], list[str]] | None:
-    """(flag that sets row alignment off, the same flag at pose_mlx's default = []) when finetune's --help lists a
-    flag with 'align' in its name: its `--no-` form when listed, else the flag with the value 'off'."""
+def align_off(help_text: str) -> list[str] | None:
+    """The flags that turn row alignment off, when finetune's --help lists a flag with 'align' in its name: its
+    `--no-` form when listed, else the flag with the value 'off'; None when there is no such flag."""
     names = re.findall(r"(?<![\w-])--([\w-]*align[\w-]*)", help_text)
     if not names:
         return None
     negative = [n for n in names if n.startswith("no-")]
     if negative:
-        return [f"--{negative[0]}"], []
-    return [f"--{names[0]}", "off"], []
+        return [f"--{negative[0]}"]
+    return [f"--{names[0]}", "off"]
 
 
 def predict(argv: list[str], timeout: float | None) -> dict:
@@ -161,8 +163,8 @@ def predict(argv: list[str], timeout: float | None) -> dict:
 class Runner:
     """Runs pose_mlx and mlx-lm on the benchmark's model and data, each run inside the time left."""
 
-    def __init__(self, args, size: dict, model: Path, data: Path, work: Path, clock: Clock, align):
-        self.size, self.model, self.data, self.work, self.clock, self.align = size, model, data, work, clock, align
+    def __init__(self, args, size: dict, model: Path, data: Path, work: Path, clock: Clock):
+        self.model, self.data, self.work, self.clock, self.run_seconds = model, data, work, clock, args.run_seconds
         self.base = SimpleNamespace(**{k: size[k] for k in ("hidden", "layers", "heads", "vocab", "window",
                                                             "factor", "docs")},
                                     batch=1, lora_rank=args.lora_rank, threads=args.threads, steps=size["steps"])
@@ -179,14 +181,14 @@ class Runner:
             + list(extra)
 
     def timeout(self) -> float | None:
-        """Seconds the next run may take; None: no limit. Raises TimeoutError when too little is left for a run
-        as long as the median run so far (at least 20 s)."""
+        """Seconds the next run may take (the time left, at most --run-seconds); None: no limit. Raises
+        TimeoutError when too little is left for a run as long as the median run so far (at least 20 s)."""
         left = self.clock.left()
         if left is None:
             return None
         if left < max(20.0, statistics.median(self.durations) if self.durations else 0.0):
             raise TimeoutError(f"skipped: {max(left, 0):.0f} s left of the budget")
-        return left
+        return min(left, self.run_seconds)
 
     def _run(self, tool: str, cmd: list[str], args) -> dict:
         t0 = time.perf_counter()
@@ -356,13 +358,13 @@ def measure(args, size: dict, work: Path, clock: Clock, dry_run: bool) -> dict:
     shortest = check_lengths(data_args, model, data)
     help_text = subprocess.run([sys.executable, "-m", "pose_mlx.finetune", "--help"], env=child_env(),
                                capture_output=True, text=True).stdout
-    align = align_flags(help_text)
+    align = align_off(help_text)
     say(clock, f"data: {size['docs']} documents of >= {shortest} tokens; row alignment flag: "
-               + (" ".join(align[0]) + " (off)" if align else "none"))
+               + (" ".join(align) + " (off)" if align else "none"))
     stage("data", t0)
 
-    runner = Runner(args, size, model, data, work, clock, align)
-    off = tuple(align[0]) if align else ()
+    runner = Runner(args, size, model, data, work, clock)
+    off = tuple(align) if align else ()
 
     t0 = time.perf_counter()
     plan = []
@@ -395,25 +397,27 @@ def measure(args, size: dict, work: Path, clock: Clock, dry_run: bool) -> dict:
         for fn in runs if r % 2 == 0 else runs[::-1]:
             records.append(fn())
 
+    def memory_run(entry: dict) -> dict:
+        if not entry["fits_device"]:
+            entry["not_measured"] = "the plan's prediction exceeds the device's memory"
+            return {}
+        record = runner.pose(entry["config"], window, size["plan_steps"], entry["compiled"], entry["grad_checkpoint"])
+        measured(entry, record)
+        return record
+
+    # eager first: it fills MLX's kernel cache, so the first compiled run's first update shows what compiling costs
     t0 = time.perf_counter()
-    first = runner.pose("first", window, size["plan_steps"])
-    if plan[0]["fits_device"]:
-        measured(plan[0], first)
-    else:
-        records.append(first)
-    stage("first_run", t0)
+    memory_run(plan[1])
+    first = memory_run(plan[0])
+    stage("first_runs", t0)
 
     t0 = time.perf_counter()
     round_(0)
     stage("round_1", t0)
 
     t0 = time.perf_counter()
-    for entry in plan[1:]:
-        if not entry["fits_device"]:
-            entry["not_measured"] = "the plan's prediction exceeds the device's memory"
-            continue
-        record = runner.pose(entry["config"], window, size["plan_steps"], entry["compiled"], entry["grad_checkpoint"])
-        measured(entry, record)
+    for entry in plan[2:]:
+        memory_run(entry)
     stage("memory_runs", t0)
 
     t0 = time.perf_counter()
@@ -449,6 +453,7 @@ def measure(args, size: dict, work: Path, clock: Clock, dry_run: bool) -> dict:
             "flag_off": list(off), "default_tokens_per_s": aligned["a"], "off_tokens_per_s": aligned["b"],
             "ratio": aligned["ratio"]},
         "first_update_seconds": first.get("first_update_seconds"),
+        "first_update_seconds_eager": plan[1].get("first_update_seconds"),
         "first_update_seconds_warm": statistics.median(warm_first) if warm_first else None,
         "runs": records,
         "stage_seconds": stages,
@@ -459,6 +464,7 @@ def measure(args, size: dict, work: Path, clock: Clock, dry_run: bool) -> dict:
         "config": {"window": window, "target": window * size["factor"], "lora_rank": args.lora_rank,
                    "lora_layers": "all", "batch": 1, "steps": size["steps"], "plan_steps": size["plan_steps"],
                    "rounds": size["rounds"], "budget_s": None if dry_run else args.budget,
+                   "run_s": None if dry_run else args.run_seconds,
                    "tests_s": None if dry_run else args.tests_seconds},
         "method": ("per update = time between the progress reports of updates n-1 and n (n = 2 .. steps-1) "
                    "stamped by this script, median per run; throughput and row-length ratios = median tokens/s over "
@@ -481,6 +487,9 @@ def main(argv=None) -> int:
     parser.add_argument("--tests-seconds", type=float, default=160.0,
                         help="seconds of the budget kept for the test suite, which is stopped at the end of the "
                              "budget (default 160)")
+    parser.add_argument("--run-seconds", type=float, default=150.0,
+                        help="seconds one training run may take before it is stopped and recorded so (default 150; "
+                             "ignored with --dry-run)")
     parser.add_argument("--test-workers", type=int, default=6,
                         help="pytest-xdist workers (-n) when pytest-xdist is installed (default 6; 0: none)")
     parser.add_argument("--lora-rank", type=int, default=8, help="LoRA rank of both tools (default 8)")
@@ -489,8 +498,8 @@ def main(argv=None) -> int:
     parser.add_argument("--workdir", help="folder for the model, data and outputs (kept; default: a temporary one, "
                                           "removed at the end)")
     args = parser.parse_args(argv)
-    if args.budget <= 0 or args.tests_seconds < 0 or args.test_workers < 0 or args.lora_rank < 1 or args.threads < 0:
-        parser.error("need --budget > 0, --tests-seconds >= 0, --test-workers >= 0, --lora-rank >= 1, --threads >= 0")
+    if args.budget <= 0 or args.run_seconds <= 0 or args.tests_seconds < 0 or args.test_workers < 0 or args.lora_rank < 1 or args.threads < 0:
+        parser.error("need --budget > 0, --run-seconds > 0, --tests-seconds >= 0, --test-workers >= 0, --lora-rank >= 1, --threads >= 0")
     output = Path(args.output) if args.output else (
         Path(tempfile.gettempdir()) / "bench_gpu_dry_run.json" if args.dry_run else DEFAULT_OUTPUT)
     if args.dry_run and output.resolve() == DEFAULT_OUTPUT.resolve():
