@@ -57,6 +57,7 @@ def test_dry_run_writes_the_schema_with_sane_numbers(dry_run):
     assert plan[1]["predicted_bytes"] < plan[3]["predicted_bytes"]
 
     throughput = result["throughput"]
+    assert throughput["rounds"] == 2  # the second round, in reverse order, ran too
     assert throughput["pose_mlx"] > 0 and throughput["mlx_lm"] > 0
     assert throughput["ratio"] == pytest.approx(throughput["pose_mlx"] / throughput["mlx_lm"], rel=1e-12)
     assert throughput["tokens_per_update"] == result["config"]["window"] - 1
@@ -72,14 +73,14 @@ def test_dry_run_writes_the_schema_with_sane_numbers(dry_run):
     assert result["first_update_seconds"] == plan[0]["first_update_seconds"]
     # each timed run: tokens/s is (window - 1) over its median seconds per update
     timed = [r for r in result["runs"] if "s_per_update" in r]
-    assert {r["label"] for r in timed} >= {"mlx_lm", "default", "rows +1"}
+    assert sorted(r["label"] for r in timed) == ["default", "default", "mlx_lm", "mlx_lm", "rows +1", "rows +1"]
     for r in timed:
         assert r["tokens_per_s"] == pytest.approx((r["window"] - 1) / r["s_per_update"])
     assert not [r for r in result["runs"] if "error" in r]
     # progress per stage, in order
     stages = [line for line in stdout.splitlines() if line.startswith("[")]
-    order = ["model:", "data:", "plan ", "pose_mlx eager, checkpointing", "pose_mlx compiled, checkpointing",
-             "mlx_lm lora", "pose_mlx compiled, no checkpointing", "tests:", "wrote"]
+    order = ["model:", "data:", "plan ", "pose_mlx eager, checkpointing", "pose_mlx default", "mlx_lm lora",
+             "pose_mlx rows +1", "pose_mlx compiled, no checkpointing", "tests:", "wrote"]
     assert [next(i for i, line in enumerate(stages) if s in line) for s in order] == sorted(
         next(i for i, line in enumerate(stages) if s in line) for s in order)
 
