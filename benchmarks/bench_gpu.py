@@ -25,7 +25,7 @@ real command line in a child process (`bench_vs_mlx_lm.command` / `run`), LoRA r
 
 Time: the run stops within `--budget` seconds (default 460): stages run in order of importance (the eager and
 the compiled run with checkpointing, one interleaved round, the runs without checkpointing, a second round),
-`--tests-seconds` (default 160) are kept for the test suite, a run is stopped after `--run-seconds` (default 150),
+`--tests-seconds` (default 160) are kept for the test suite, a run is stopped after `--run-seconds` (default 200),
 and a run that would not fit the time left is skipped; both are recorded with the reason.
 `--dry-run` runs every stage on a tiny llama (2 blocks, hidden 64, window 256, 2-4 updates) on MLX's default
 device (the CPU on a machine without GPU) with a small part of the test suite, and writes to a temporary file
@@ -47,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from importlib import metadata
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -440,6 +441,8 @@ def measure(args, size: dict, work: Path, clock: Clock, dry_run: bool) -> dict:
         "device": device["device"],
         "device_memory_bytes": device["device_memory_bytes"],
         "mlx": device["mlx"],
+        "mlx_packages": {d.metadata["Name"]: d.version for d in metadata.distributions()
+                         if (d.metadata["Name"] or "").lower().startswith("mlx")},
         "dry_run": dry_run,
         "tests": tests,
         "plan": plan,
@@ -499,8 +502,9 @@ def main(argv=None) -> int:
     parser.add_argument("--workdir", help="folder for the model, data and outputs (kept; default: a temporary one, "
                                           "removed at the end)")
     args = parser.parse_args(argv)
-    if args.budget <= 0 or args.run_seconds <= 0 or args.tests_seconds < 0 or args.test_workers < 0 or args.lora_rank < 1 or args.threads < 0:
-        parser.error("need --budget > 0, --run-seconds > 0, --tests-seconds >= 0, --test-workers >= 0, --lora-rank >= 1, --threads >= 0")
+    if min(args.budget, args.run_seconds, args.lora_rank) <= 0 or min(args.tests_seconds, args.test_workers,
+                                                                        args.threads) < 0:
+        parser.error("need --budget, --run-seconds, --lora-rank > 0 and --tests-seconds, --test-workers, --threads >= 0")
     output = Path(args.output) if args.output else (
         Path(tempfile.gettempdir()) / "bench_gpu_dry_run.json" if args.dry_run else DEFAULT_OUTPUT)
     if args.dry_run and output.resolve() == DEFAULT_OUTPUT.resolve():
