@@ -268,7 +268,8 @@ def _describe(record: dict) -> str:
     parts = [f"{record['s_per_update']:.3f} s/update, {record['tokens_per_s']:.0f} tokens/s"] \
         if "s_per_update" in record else []
     if "peak_bytes" in record:
-        parts.append(f"peak {record['peak_bytes'] / 2**30:.2f} GiB, first update {record['first_update_seconds']:.1f} s")
+        parts.append(f"peak {record['peak_bytes'] / 2**30:.2f} GiB, "
+                     f"first update {record['first_update_seconds']:.1f} s")
     return "; ".join(parts) + f" ({record['run_seconds']:.0f} s in all)"
 
 
@@ -504,7 +505,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if min(args.budget, args.run_seconds, args.lora_rank) <= 0 or min(args.tests_seconds, args.test_workers,
                                                                         args.threads) < 0:
-        parser.error("need --budget, --run-seconds, --lora-rank > 0 and --tests-seconds, --test-workers, --threads >= 0")
+        parser.error("need --budget, --run-seconds, --lora-rank > 0 and --tests-seconds, --test-workers, "
+                     "--threads >= 0")
     output = Path(args.output) if args.output else (
         Path(tempfile.gettempdir()) / "bench_gpu_dry_run.json" if args.dry_run else DEFAULT_OUTPUT)
     if args.dry_run and output.resolve() == DEFAULT_OUTPUT.resolve():
