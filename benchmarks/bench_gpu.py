@@ -326,12 +326,10 @@ def rates(records: list[dict], label: str) -> list[float]:
     return [r["tokens_per_s"] for r in records if r.get("label") == label and "tokens_per_s" in r]
 
 
-def ratio_of(a: list[float], b: list[float]) -> dict | None:
-    """Median tokens/s of each side and their ratio a / b (None when either side has no measurement)."""
-    if not a or not b:
-        return None
-    ma, mb = statistics.median(a), statistics.median(b)
-    return {"a": ma, "b": mb, "ratio": ma / mb}
+def ratio_of(a: list[float], b: list[float]) -> dict:
+    """Median tokens/s of each side and their ratio a / b (None where a side has no measurement)."""
+    ma, mb = (statistics.median(x) if x else None for x in (a, b))
+    return {"a": ma, "b": mb, "ratio": ma / mb if ma and mb else None}
 
 
 def measure(args, size: dict, work: Path, clock: Clock, dry_run: bool) -> dict:
@@ -447,10 +445,10 @@ def measure(args, size: dict, work: Path, clock: Clock, dry_run: bool) -> dict:
         "dry_run": dry_run,
         "tests": tests,
         "plan": plan,
-        "throughput": None if throughput is None else {
+        "throughput": {
             "pose_mlx": throughput["a"], "mlx_lm": throughput["b"], "ratio": throughput["ratio"],
             "tokens_per_update": window - 1, "rounds": len(rates(records, "mlx_lm"))},
-        "row_length": None if rows is None else {
+        "row_length": {
             "windows": [window, window + 1], "input_tokens": [window - 1, window],
             "tokens_per_s": [rows["b"], rows["a"]], "ratio": rows["ratio"],
             "alignment": "off (" + " ".join(off) + ")" if align else "no alignment flag in pose_mlx.finetune"},
