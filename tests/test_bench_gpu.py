@@ -112,3 +112,13 @@ def test_alignment_flag_is_found_in_help_text():
     assert off("--content CONTENT  PoSE content offsets: uniform, zero, aligned (v_i = u_i)") is None
     assert off("  --align-rows, --no-align-rows\n      pad rows to a multiple of 128") == ["--no-align-rows"]
     assert off("  --row-align ROW_ALIGN  multiple of 128 on CUDA") == ["--row-align", "off"]
+
+
+def test_a_run_past_its_timeout_is_stopped():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from types import SimpleNamespace
+
+    from bench_vs_mlx_lm import run
+
+    with pytest.raises(TimeoutError, match="stopped after 1 s"):
+        run([sys.executable, "-c", "import time; time.sleep(60)"], "pose_mlx", SimpleNamespace(threads=0), timeout=1)
