@@ -5,7 +5,7 @@ vocabulary 32000, untied head; mlx-lm's llama class, written by `pose_mlx.toy`'s
 tokenizer trained offline on the standard library, 512 pieces), an mlx-lm data folder of standard-library source
 (`bench_vs_mlx_lm.make_inputs`: every document longer than the window), and then measures, every tool run as its
 real command line in a child process (`bench_vs_mlx_lm.command` / `run`), LoRA rank 8 on every block, batch 1,
-`--target 32k --window 4096`:
+`--target 32k --window 4096`, learning rate `LR` in both tools:
 
   plan         `python -m pose_mlx.plan --json` per configuration (compiled / eager x gradient checkpointing
                on / off) against the largest `peak_memory_gb` of a real `python -m pose_mlx.finetune` run's
@@ -68,6 +68,11 @@ SIZES = {
     "dry": dict(hidden=64, layers=2, heads=4, intermediate=172, vocab=1024, window=256, factor=8,
                 steps=4, plan_steps=2, rounds=2, docs=8, dtype="bfloat16", tests=["tests/test_rope_schedules.py"]),
 }
+
+#: Learning rate of both tools, no warm-up: a few updates at bench_vs_mlx_lm's 1e-5 (warmed up) may move a random
+#: bfloat16 model's loss by less than its rounding, and pose_mlx refuses to export a model whose loss rose above a
+#: uniform guess's (its collapse check); the rate does not change an update's cost.
+LR = "1e-4"
 
 #: The memory configurations: (name, compiled, gradient checkpointing).
 CONFIGS = (("compiled, checkpointing", True, True), ("eager, checkpointing", False, True),
@@ -178,8 +183,8 @@ class Runner:
                   extra: tuple = ()) -> list[str]:
         """pose_mlx.finetune's flags (bench_vs_mlx_lm's LoRA command, `--target factor x`) for this run."""
         cmd = command("pose_mlx", "lora", steps, self.args_for(window, steps), self.model, self.data, self.work)
-        return cmd[4:] + (["--grad-checkpoint"] if checkpoint else []) + ([] if compiled else ["--no-compile"]) \
-            + list(extra)
+        return cmd[4:] + ["--lr", LR, "--warmup", "0"] + (["--grad-checkpoint"] if checkpoint else []) \
+            + ([] if compiled else ["--no-compile"]) + list(extra)
 
     def timeout(self) -> float | None:
         """Seconds the next run may take (the time left, at most --run-seconds); None: no limit. Raises
@@ -229,7 +234,8 @@ class Runner:
     def mlx_lm(self, window: int, steps: int) -> dict:
         """One `mlx_lm lora` run with gradient checkpointing on the same rows."""
         args = self.args_for(window, steps)
-        cmd = command("mlx_lm", "lora", steps, args, self.model, self.data, self.work) + ["--grad-checkpoint"]
+        cmd = command("mlx_lm", "lora", steps, args, self.model, self.data, self.work) + [
+            "--learning-rate", LR, "--grad-checkpoint"]
         record = {"label": "mlx_lm", "tool": "mlx_lm", "window": window, "input_tokens": window - 1, "steps": steps,
                   "grad_checkpoint": True}
         say(self.clock, f"mlx_lm lora: window {window}, {steps} updates, checkpointing on")
@@ -464,7 +470,7 @@ def measure(args, size: dict, work: Path, clock: Clock, dry_run: bool) -> dict:
         "model": {"parameters": device["parameters"], "layers": size["layers"], "hidden": size["hidden"],
                   "heads": size["heads"], "intermediate": size["intermediate"], "vocab": size["vocab"],
                   "dtype": size["dtype"], "tie_word_embeddings": False},
-        "config": {"window": window, "target": window * size["factor"], "lora_rank": args.lora_rank,
+        "config": {"window": window, "target": window * size["factor"], "lora_rank": args.lora_rank, "lr": float(LR),
                    "lora_layers": "all", "batch": 1, "steps": size["steps"], "plan_steps": size["plan_steps"],
                    "rounds": size["rounds"], "budget_s": None if dry_run else args.budget,
                    "run_s": None if dry_run else args.run_seconds,
