@@ -23,10 +23,12 @@ real command line in a child process (`bench_vs_mlx_lm.command` / `run`), LoRA r
   tests        `python -m pytest -q -p no:cacheprovider` (with `-n 6` when pytest-xdist is installed; this
                benchmark's own test is left out), passed / failed / skipped from pytest's summary line.
 
-Time: the run stops within `--budget` seconds (default 460): stages run in order of importance (the eager and
-the compiled run with checkpointing, one interleaved round, the runs without checkpointing, a second round),
-`--tests-seconds` (default 160) are kept for the test suite, a run is stopped after `--run-seconds` (default 200),
-and a run that would not fit the time left is skipped; both are recorded with the reason.
+Time: the run stops within `--budget` seconds (default 460). The test suite starts first and runs beside the model
+build and the plan (at most `--tests-seconds`, default 200, then it is stopped and counted from its progress);
+nothing is timed before it has ended. The training runs follow in order of importance (the eager and the compiled
+run with checkpointing, one interleaved round, the runs without checkpointing, a second round); a run is stopped
+after `--run-seconds` (default 200), and a run that would not fit the time left is skipped; both are recorded
+with the reason.
 `--dry-run` runs every stage on a tiny llama (2 blocks, hidden 64, window 256, 2-4 updates) on MLX's default
 device (the CPU on a machine without GPU) with a small part of the test suite, and writes to a temporary file
 unless `--output` says where. Without a GPU (MLX's default device is the CPU) only `--dry-run` runs.
@@ -93,7 +95,7 @@ memory = info.get("total_memory") or info.get("memory_size") or (
     os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 report = {"gpu": gpu, "device": str(info.get("device_name") or info.get("architecture") or mx.default_device()),
           "device_memory_bytes": int(memory), "mlx": mx.__version__, "default_device": str(mx.default_device())}
-if gpu or size["dry_run"]:
+if (gpu or size["dry_run"]) and not size["probe"]:
     toy.train_tokenizer(toy.stdlib_texts(max_chars=toy.DEFAULT_TOKENIZER_CHARS), folder, vocab_size=512)
     tok = toy.tokenizer_info(folder)
     config = toy.model_config(tok["vocab_size"], hidden_size=size["hidden"], num_layers=size["layers"],
@@ -110,18 +112,16 @@ print("BENCH_GPU_MODEL " + json.dumps(report), flush=True)
 
 
 class Clock:
-    """Seconds left: `budget` from the start for everything, `reserve` of them kept for the test suite."""
+    """Seconds since the start and left of the `budget` (None: no limit)."""
 
-    def __init__(self, budget: float | None, reserve: float):
-        self.start, self.budget, self.reserve = time.perf_counter(), budget, reserve
+    def __init__(self, budget: float | None):
+        self.start, self.budget = time.perf_counter(), budget
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
 
-    def left(self, tests: bool = False) -> float | None:
-        if self.budget is None:
-            return None
-        return self.budget - self.elapsed() - (0.0 if tests else self.reserve)
+    def left(self) -> float | None:
+        return None if self.budget is None else self.budget - self.elapsed()
 
 
 def say(clock: Clock, text: str) -> None:
@@ -133,9 +133,10 @@ def child_env() -> dict:
                 PYTHONUNBUFFERED="1", NO_COLOR="1")
 
 
-def build_model(folder: Path, size: dict, dry_run: bool) -> dict:
-    """Build the model folder in a child (this process never starts MLX); the device it saw."""
-    proc = subprocess.run([sys.executable, "-c", BUILD, str(folder), json.dumps({**size, "dry_run": dry_run})],
+def build_model(folder: Path, size: dict, dry_run: bool, probe: bool = False) -> dict:
+    """Build the model folder in a child (this process never starts MLX); the device it saw. `probe`: only that."""
+    proc = subprocess.run([sys.executable, "-c", BUILD, str(folder),
+                           json.dumps({**size, "dry_run": dry_run, "probe": probe})],
                           env=child_env(), capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(INFO)]
     if proc.returncode != 0 or not lines:
@@ -279,26 +280,34 @@ def _describe(record: dict) -> str:
     return "; ".join(parts) + f" ({record['run_seconds']:.0f} s in all)"
 
 
-def run_tests(args, size: dict, clock: Clock, dry_run: bool) -> dict:
-    """The test suite (or the dry run's part of it) in a child, within the time left; counts from pytest's summary
-    line, or from its progress characters when it had to be stopped."""
+def start_tests(args, size: dict, clock: Clock, dry_run: bool) -> dict:
+    """Start the test suite (or the dry run's part of it) in a child; it runs while the model is built and the plan
+    made, and must end before the timed runs start (`finish_tests`)."""
     workers = args.test_workers if importlib.util.find_spec("xdist") and not dry_run else 0
     # -o addopts= : pyproject's own -q would make this -qq, which prints no summary line
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
            *(["-n", str(workers)] if workers else []), *size["tests"]]
-    left = clock.left(tests=True)
-    say(clock, f"tests: {' '.join(cmd[1:])}" + (f" (at most {left:.0f} s)" if left is not None else ""))
-    t0 = time.perf_counter()
+    say(clock, f"tests: {' '.join(cmd[1:])}, started beside the next stages"
+               + ("" if dry_run else f" (at most {args.tests_seconds:.0f} s)"))
     proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
+    return {"proc": proc, "cmd": cmd, "start": time.perf_counter(), "limit": None if dry_run else args.tests_seconds}
+
+
+def finish_tests(tests: dict, clock: Clock) -> dict:
+    """Wait for the test suite until its time is up (then stop it); counts from pytest's summary line, or from its
+    progress characters when it had to be stopped."""
+    proc, limit = tests["proc"], tests["limit"]
+    say(clock, "tests: waiting for the test suite")
     try:
-        output, complete = proc.communicate(timeout=max(left, 1.0) if left is not None else None)[0], True
+        timeout = None if limit is None else max(limit - (time.perf_counter() - tests["start"]), 1.0)
+        output, complete = proc.communicate(timeout=timeout)[0], True
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # pytest and its xdist workers, which this script started
         output, complete = proc.communicate()[0], False
     counts = parse_pytest(output)
     record = {**counts, "complete": complete and counts["summary"] is not None, "exit_code": proc.returncode,
-              "seconds": time.perf_counter() - t0, "command": " ".join(["python", *cmd[1:]]),
+              "seconds": time.perf_counter() - tests["start"], "command": " ".join(["python", *tests["cmd"][1:]]),
               "tail": output[-1500:]}
     say(clock, f"  {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped"
                + ("" if record["complete"] else " (stopped before the end: counted from its progress)"))
@@ -339,20 +348,33 @@ def ratio_of(a: list[float], b: list[float]) -> dict:
 
 
 def measure(args, size: dict, work: Path, clock: Clock, dry_run: bool) -> dict:
+    """Check the device (exit 2 without a GPU unless a dry run), start the test suite, then every other stage."""
+    say(clock, f"model: {size['layers']} blocks, hidden {size['hidden']}, {size['heads']} heads, intermediate "
+               f"{size['intermediate']}, vocabulary {size['vocab']}, {size['dtype']}")
+    device = build_model(work / "model", size, dry_run, probe=True)
+    if not device["gpu"] and not dry_run:
+        print(f"error: MLX's default device is {device['default_device']}, not a GPU; this benchmark needs one "
+              "(pip install -e \".[cuda,test]\" on a CUDA machine), or pass --dry-run", file=sys.stderr)
+        sys.exit(2)
+    tests = start_tests(args, size, clock, dry_run) if not args.skip_tests else None
+    try:
+        return _measure(args, size, work, clock, dry_run, tests)
+    finally:
+        if tests is not None and tests["proc"].poll() is None:  # stopped by an error: stop the suite too
+            os.killpg(tests["proc"].pid, signal.SIGKILL)
+            tests["proc"].communicate()
+
+
+def _measure(args, size: dict, work: Path, clock: Clock, dry_run: bool, tests: dict | None) -> dict:
+    """The stages after the device check; the results' dict."""
     stages: dict[str, float] = {}
 
     def stage(name: str, t0: float) -> None:
         stages[name] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    say(clock, f"model: {size['layers']} blocks, hidden {size['hidden']}, {size['heads']} heads, intermediate "
-               f"{size['intermediate']}, vocabulary {size['vocab']}, {size['dtype']}")
     model = work / "model"
     device = build_model(model, size, dry_run)
-    if not device["gpu"] and not dry_run:
-        print(f"error: MLX's default device is {device['default_device']}, not a GPU; this benchmark needs one "
-              "(pip install -e \".[cuda,test]\" on a CUDA machine), or pass --dry-run", file=sys.stderr)
-        sys.exit(2)
     say(clock, f"  {device['parameters']:,} parameters on {device['device']} "
                f"({device['device_memory_bytes'] / 2**30:.1f} GiB), mlx {device['mlx']}")
     stage("model", t0)
@@ -383,6 +405,11 @@ def measure(args, size: dict, work: Path, clock: Clock, dry_run: bool) -> dict:
                                        if "predicted_bytes" in prediction else prediction["error"])
             + ("" if fits else " - does not fit the device, not run"))
     stage("plan", t0)
+
+    if tests is not None:  # nothing is timed while the test suite runs
+        t0 = time.perf_counter()
+        tests = finish_tests(tests, clock)
+        stage("waiting_for_tests", t0)
 
     records: list[dict] = []
 
@@ -438,10 +465,6 @@ def measure(args, size: dict, work: Path, clock: Clock, dry_run: bool) -> dict:
     warm_first = [r["first_update_seconds"] for r in records if r.get("label") == "default"
                   and "first_update_seconds" in r and r is not first]
 
-    t0 = time.perf_counter()
-    tests = run_tests(args, size, clock, dry_run) if not args.skip_tests else None
-    stage("tests", t0)
-
     return {
         "device": device["device"],
         "device_memory_bytes": device["device_memory_bytes"],
@@ -493,9 +516,9 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=float, default=460.0,
                         help="seconds for the whole benchmark: runs that would not fit are skipped and recorded so "
                              "(default 460; ignored with --dry-run)")
-    parser.add_argument("--tests-seconds", type=float, default=160.0,
-                        help="seconds of the budget kept for the test suite, which is stopped at the end of the "
-                             "budget (default 160)")
+    parser.add_argument("--tests-seconds", type=float, default=200.0,
+                        help="seconds the test suite may run (it starts first, beside the model build) before it is "
+                             "stopped and counted from its progress (default 200; ignored with --dry-run)")
     parser.add_argument("--run-seconds", type=float, default=200.0,
                         help="seconds one training run may take before it is stopped and recorded so (default 200; "
                              "ignored with --dry-run)")
@@ -516,7 +539,7 @@ def main(argv=None) -> int:
     if args.dry_run and output.resolve() == DEFAULT_OUTPUT.resolve():
         parser.error(f"--dry-run does not write {DEFAULT_OUTPUT.relative_to(ROOT)} (its numbers are a toy's)")
     size = SIZES["dry" if args.dry_run else "full"]
-    clock = Clock(None if args.dry_run else args.budget, 0.0 if args.skip_tests else args.tests_seconds)
+    clock = Clock(None if args.dry_run else args.budget)
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench_gpu-"))
     work.mkdir(parents=True, exist_ok=True)
     try:

@@ -79,8 +79,8 @@ def test_dry_run_writes_the_schema_with_sane_numbers(dry_run):
     assert not [r for r in result["runs"] if "error" in r]
     # progress per stage, in order
     stages = [line for line in stdout.splitlines() if line.startswith("[")]
-    order = ["model:", "data:", "plan ", "pose_mlx eager, checkpointing", "pose_mlx default", "mlx_lm lora",
-             "pose_mlx rows +1", "pose_mlx compiled, no checkpointing", "tests:", "wrote"]
+    order = ["model:", "tests:", "data:", "plan ", "tests: waiting", "pose_mlx eager, checkpointing",
+             "pose_mlx default", "mlx_lm lora", "pose_mlx rows +1", "pose_mlx compiled, no checkpointing", "wrote"]
     assert [next(i for i, line in enumerate(stages) if s in line) for s in order] == sorted(
         next(i for i, line in enumerate(stages) if s in line) for s in order)
 
