@@ -12,7 +12,7 @@ real command line in a child process (`bench_vs_mlx_lm.command` / `run`), LoRA r
                train_log.jsonl; a configuration whose prediction exceeds the device's memory is not run;
   first update the first update's seconds from the log: of the first compiled run (after one eager run, which
                leaves MLX's CUDA kernels compiled in its on-disk cache: what `mx.compile` adds), of the eager run
-               (the first on the machine) and of the later compiled runs;
+               (the first training run) and of the later compiled runs;
   throughput   pose_mlx vs `mlx_lm lora` (same model folder, rows, LoRA rank and blocks, batch 1, gradient
                checkpointing in both), interleaved; an update's time is the time between two consecutive
                progress reports stamped by this script (`bench_vs_mlx_lm.periods`), median per run, tokens/s =
