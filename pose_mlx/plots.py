@@ -1,7 +1,13 @@
-"""Plots of the evaluators (matplotlib, Agg backend: no display needed)."""
+"""Plots of the evaluators (matplotlib, Agg backend: no display needed).
+
+Conventions every figure of the project follows: axes say their units; a log axis carries at least four plainly
+written ticks (`plain_log_axis`); a dashed "original window" line has its value as a tick on the x axis
+(`mark_tick`); legends sit outside the plotted data; heatmap cells without data are hatched grey with a legend key.
+"""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Sequence
 
@@ -17,6 +23,74 @@ def _pyplot():
     return plt
 
 
+#: mantissas tried in turn, sparsest first, for the ticks of a log axis.
+_LOG_SUBS = ((1.0,), (1.0, 2.0, 5.0), (1.0, 2.0, 3.0, 5.0), tuple(float(m) for m in range(1, 10)),
+             (1.0, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0))
+
+
+def log_ticks(vmin: float, vmax: float, minimum: int = 4) -> list[float]:
+    """Tick values for a log axis over [vmin, vmax]: m x 10^k for the sparsest mantissa set in `_LOG_SUBS` that puts
+    at least `minimum` ticks in view (wide ranges: powers of ten, every n-th decade so that at most 8 remain);
+    narrower ranges than any set covers: evenly spaced round values (matplotlib's MaxNLocator, as many bins as it takes)."""
+    from matplotlib.ticker import MaxNLocator
+
+    lo, hi = sorted((float(vmin), float(vmax)))
+    if not (lo > 0 and math.isfinite(hi)):
+        return []
+    decades = range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)
+    for subs in _LOG_SUBS:
+        ticks = [m * 10.0**k for k in decades for m in subs if lo <= m * 10.0**k <= hi]
+        if len(ticks) >= minimum:
+            step = math.ceil(len(ticks) / 8) if subs == (1.0,) else 1
+            return ticks[::step]
+    ticks: list[float] = []
+    for bins in range(minimum, 4 * minimum):
+        ticks = [float(t) for t in MaxNLocator(nbins=bins, steps=[1, 2, 2.5, 5, 10]).tick_values(lo, hi)
+                 if lo <= t <= hi]
+        if len(ticks) >= minimum:
+            break
+    return ticks
+
+
+def plain_log_axis(axis, minimum: int = 4) -> None:
+    """Major ticks of a log-scaled matplotlib `axis` (ax.xaxis / ax.yaxis) from `log_ticks` over the view at draw
+    time, labelled as plain numbers (7, 10, 20, 0.5, 1e-06); unlabelled minor ticks at every m x 10^k."""
+    from matplotlib.ticker import FuncFormatter, Locator, LogLocator, NullFormatter
+
+    class _Plain(Locator):
+        def __call__(self):
+            return self.tick_values(*self.axis.get_view_interval())
+
+        def tick_values(self, vmin, vmax):
+            return log_ticks(vmin, vmax, minimum)
+
+    axis.set_major_locator(_Plain())
+    axis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+    axis.set_minor_locator(LogLocator(subs="all"))
+    axis.set_minor_formatter(NullFormatter())
+
+
+def mark_tick(ax, mark: float, color: str = "gray") -> None:
+    """`mark` (the x of a vertical line) written on the x axis as a tick of its own, in `color`; ticks so close
+    that their labels would collide (within 6% of the axis) give way. Call after the limits are final."""
+    ax.figure.canvas.draw()  # the locator's ticks for the final limits
+    lo, hi = ax.get_xlim()
+    to_axes = ax.transAxes.inverted().transform
+
+    def frac(x):
+        return to_axes(ax.transData.transform((x, 0)))[0]
+
+    ticks = [t for t in ax.get_xticks() if min(lo, hi) <= t <= max(lo, hi) and abs(frac(t) - frac(mark)) >= 0.06]
+    ticks = sorted(ticks + [mark])
+    labels = [label.get_text() for label in ax.get_xticklabels()]
+    by_value = dict(zip(ax.get_xticks(), labels))
+    ax.set_xticks(ticks, [by_value.get(t) or f"{t:g}" for t in ticks])
+    ax.set_xlim(lo, hi)
+    for tick, label in zip(ticks, ax.get_xticklabels()):
+        if tick == mark:
+            label.set_color(color)
+
+
 def line_vs_length(
     path: str | Path,
     lengths: Sequence[int],
@@ -26,39 +100,45 @@ def line_vs_length(
     log_y: bool = False,
     ylim: tuple[float, float] | None = None,
     mark: int | None = None,
+    xlabel: str = "context length (tokens)",
 ) -> Path:
     """One line per entry of `series` (label -> values at `lengths`), log2 x axis; saved as PNG.
 
-    `mark`: draw a dashed vertical line there, labelled "original window". The legend sits right of the axes,
-    never over the data.
+    `mark`: a dashed vertical line there, labelled "original window" and written on the x axis. `log_y`: log y
+    axis with plain tick labels (`plain_log_axis`). The legend sits right of the axes, never over the data.
     """
-    from matplotlib.ticker import FuncFormatter
-
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))
+    draw_lines(ax, lengths, series, log_y=log_y, ylim=ylim, mark=mark)
+    return _finish(plt, fig, ax, path, xlabel, ylabel, title, mark)
+
+
+def draw_lines(ax, lengths: Sequence[int], series: dict[str, Sequence[float]], log_y: bool = False,
+               ylim: tuple[float, float] | None = None, mark: int | None = None) -> None:
+    """`line_vs_length`'s drawing on an existing axes `ax` (a panel of a larger figure), without labels."""
     for label, values in series.items():
         ax.plot(lengths, values, marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_xticks(list(lengths), [str(n) for n in lengths])
+    ax.minorticks_off()
     if mark:
         ax.axvline(mark, color="gray", linestyle="--", linewidth=1, label="original window")
     if log_y:
         ax.set_yscale("log")
-        plain = FuncFormatter(lambda v, _pos: f"{v:g}")
-        ax.yaxis.set_major_formatter(plain)
-        ax.yaxis.set_minor_formatter(plain)
+        plain_log_axis(ax.yaxis)
     if ylim:
         ax.set_ylim(*ylim)
-    return _finish(plt, fig, ax, path, "context length (tokens)", ylabel, title)
 
 
-def _finish(plt, fig, ax, path, xlabel: str, ylabel: str, title: str) -> Path:
-    """Labels, grid, the legend right of the axes (never over the data); saved as PNG."""
+def _finish(plt, fig, ax, path, xlabel: str, ylabel: str, title: str, mark: float | None = None) -> Path:
+    """Labels, grid, the mark's tick, the legend right of the axes (never over the data); saved as PNG."""
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0, fontsize="small")
+    if mark:
+        mark_tick(ax, mark)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return Path(path)
@@ -80,32 +160,44 @@ def curves(
         ax.plot(x, y, label=label)
     if mark:
         ax.axvline(mark, color="gray", linestyle="--", linewidth=1, label="original window")
-    return _finish(plt, fig, ax, path, xlabel, ylabel, title)
+    return _finish(plt, fig, ax, path, xlabel, ylabel, title, mark)
 
 
 def heatmap(
     path: str | Path, grid: np.ndarray, row_labels: Sequence[str], col_labels: Sequence[str],
-    xlabel: str, ylabel: str, title: str,
+    xlabel: str, ylabel: str, title: str, missing: str = "no trials",
 ) -> Path:
-    """`grid` (rows x cols, values in [0, 1], NaN = no trial) as a red-to-green heatmap with cell values;
-    cells without trials are grey (the colormap's middle, 0.5, is a pale yellow close to white).
+    """`grid` (rows x cols, values in [0, 1], NaN = no data) as a red-to-green heatmap with cell values; NaN cells
+    are hatched grey, with a legend key `missing` below the axes (the colormap's middle, 0.5, is a pale yellow
+    close to white: grey alone would be ambiguous).
 
     At least 5 inches wide (the title fits however few lengths there are); saved with a tight bounding box.
     """
+    from matplotlib.patches import Patch, Rectangle
+
     plt = _pyplot()
+    grid = np.asarray(grid, dtype=float)
     fig, ax = plt.subplots(figsize=(max(5.0, 1.2 + 0.8 * len(col_labels)), 1.2 + 0.45 * len(row_labels)))
-    ax.set_facecolor("0.8")  # shows through masked (NaN) cells
     image = ax.imshow(np.ma.masked_invalid(grid), cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
     ax.set_xticks(range(len(col_labels)), col_labels)
     ax.set_yticks(range(len(row_labels)), row_labels)
+    empty = dict(facecolor="0.8", edgecolor="0.55", hatch="///", linewidth=0)
     for (i, j), value in np.ndenumerate(grid):
-        if np.isfinite(value):
-            ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7)
+        if np.isfinite(value):  # white on the dark ends of the colormap
+            ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7,
+                    color="white" if value < 0.2 or value > 0.85 else "black")
+        else:
+            ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, **empty))
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     fig.colorbar(image, ax=ax)
     fig.tight_layout()
+    if not np.isfinite(grid).all():  # the key, below everything the axes draws (its tick labels and x label)
+        fig.canvas.draw()
+        below = ax.get_tightbbox().transformed(fig.transFigure.inverted())
+        fig.legend(handles=[Patch(label=missing, **empty)], loc="upper left", fontsize="small",
+                   bbox_to_anchor=(ax.get_position().x0, below.y0), bbox_transform=fig.transFigure)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return Path(path)
