@@ -58,6 +58,15 @@ class EvalModel:
     def name(self) -> str:
         return Path(self.path).stem if self.path.endswith(".gguf") else Path(self.path).name
 
+    @property
+    def label(self) -> str:
+        """What the plots' legends call it: the name and what its positions are, e.g. "pretrained",
+        "pretrained + yarn x8, no training" (a schedule applied here), "pose (yarn x8)" (a saved extension)."""
+        schedule, _, how = self.schedule.partition(" (")
+        if how.startswith("--schedule"):
+            return f"{self.name} + {schedule}, no training"
+        return f"{self.name} ({schedule})" if how else self.name
+
 
 def load_eval_model(reference: str, schedule: str | None = None, target: str | None = None,
                     original: int | None = None) -> EvalModel:

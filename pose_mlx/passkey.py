@@ -288,13 +288,13 @@ def main(argv=None) -> int:
         log.remove()
         from .plots import heatmap, line_vs_length
 
-        name = info.name
         acc_png = line_vs_length(out.with_name(out.stem + "_accuracy.png"), lengths,
-                                 {name: [a["accuracy"] for a in accuracy]}, "accuracy",
+                                 {info.label: [a["accuracy"] for a in accuracy]}, "accuracy (share of trials)",
                                  "Passkey retrieval accuracy", ylim=(-0.05, 1.05),
                                  mark=info.original)
         heat_png = heatmap(out.with_name(out.stem + "_heatmap.png"), grid, labels, [str(n) for n in grid_lengths],
-                           "context length (tokens)", "needle depth", "Passkey accuracy by depth and length")
+                           "context length (tokens)", "needle depth (share of the context)",
+                           "Passkey accuracy by depth and length")
         print(f"wrote {out}, {acc_png} and {heat_png}", file=sys.stderr)
     return 0
 

@@ -190,7 +190,7 @@ def main(argv=None) -> int:
         out.write_text(json.dumps(record, indent=2) + "\n")
         from .plots import line_vs_length
 
-        png = line_vs_length(out.with_suffix(".png"), lengths, {name: [r.ppl for r in results]},
+        png = line_vs_length(out.with_suffix(".png"), lengths, {info.label: [r.ppl for r in results]},
                              "perplexity (log scale)", "Sliding-window perplexity (token-weighted)", log_y=True,
                              mark=info.original)
         print(f"wrote {out} and {png}", file=sys.stderr)

@@ -240,7 +240,8 @@ def write_outputs(out: Path, record: dict, run: RulerRun) -> Path:
                     + [[run.averages()[n] for n in run.lengths]])
     png = out.with_name(out.stem + "_heatmap.png")
     _replace_into(png, lambda p: heatmap(p, grid, run.tasks + ["average"], [str(n) for n in run.lengths],
-                                         "context length (tokens)", "task", "RULER score by task and length"))
+                                         "context length (tokens)", "task", "RULER score by task and length",
+                                         missing="no samples (the task does not fit)"))
     _replace_into(out, lambda p: p.write_text(json.dumps(record, indent=2) + "\n"))
     return png
 

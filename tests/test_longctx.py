@@ -185,3 +185,14 @@ def test_dynamic_ntk_perplexity_does_not_depend_on_the_chunk(tmp_path, chunk):
     logp = _log_softmax(np.array(model(mx.array(tokens)[None])[0], dtype=np.float64))
     expected = -logp[np.arange(199), tokens[1:]]
     np.testing.assert_allclose(longctx.chunked_nll(model, tokens, chunk=chunk), expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("path, schedule, label", [
+    ("/m/pretrained", "as configured", "pretrained"),
+    ("/m/pretrained", "yarn x8 (--schedule, no training)", "pretrained + yarn x8, no training"),
+    ("/m/pose", "yarn x8 (from pose_mlx.json)", "pose (yarn x8)"),
+    ("/m/SmolLM2.Q4_1.gguf", "as configured", "SmolLM2.Q4_1"),
+])
+def test_label_says_what_was_done_to_the_model(path, schedule, label):
+    info = longctx.EvalModel(None, None, path, 128, 1024, schedule, {})
+    assert info.label == label

@@ -1,30 +1,131 @@
-"""pose_mlx.plots: the legend of a line plot sits outside the axes, never over the data."""
+"""pose_mlx.plots: legends never over the data, the original window's tick, plain log-axis ticks, the heatmap's
+key for cells without data."""
+
+import math
 
 import matplotlib
+import numpy as np
 import pytest
 
 matplotlib.use("Agg")
 from matplotlib.figure import Figure  # noqa: E402
 
-from pose_mlx.plots import curves, line_vs_length  # noqa: E402
+from pose_mlx.plots import curves, heatmap, line_vs_length, log_ticks  # noqa: E402
+
+
+@pytest.fixture
+def saved(monkeypatch):
+    """The figures the plot functions save, drawn (so that extents and tick labels are final)."""
+    figures = []
+    original = Figure.savefig
+
+    def keep(self, *args, **kwargs):
+        figures.append(self)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    yield figures
+
+
+def _data_extent(ax):
+    """The display-space bounding box of every plotted point (lines' vertices)."""
+    points = np.concatenate([ax.transData.transform(line.get_xydata()) for line in ax.get_lines()
+                             if line.get_label() != "original window"])
+    return points.min(axis=0), points.max(axis=0)
 
 
 @pytest.mark.parametrize("kind", ["line_vs_length", "curves"])
-def test_line_plot_legend_is_right_of_the_axes(tmp_path, monkeypatch, kind):
-    saved = []
-    original = Figure.savefig
-    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: (saved.append(self), original(self, *a, **k))[1])
+def test_line_plot_legend_does_not_cover_the_data(tmp_path, saved, kind):
     lengths = [128, 256, 512, 1024]
-    series = {f"run {i}": [10.0 + i * (j + 1) for j in range(4)] for i in range(9)}  # lines across the whole axes
+    # nine lines fanning out over the whole axes, the top-right corner (a default legend's place) included
+    series = {f"run {i}": [10.0 + i * (j + 1) for j in range(4)] for i in range(9)}
     if kind == "curves":
-        path = curves(tmp_path / "p.png", {k: (lengths, v) for k, v in series.items()}, "position", "NLL", "title",
-                      mark=128)
+        path = curves(tmp_path / "p.png", {k: (lengths, v) for k, v in series.items()}, "position (tokens)", "NLL",
+                      "title", mark=128)
     else:
         path = line_vs_length(tmp_path / "p.png", lengths, series, "perplexity", "title", log_y=True, mark=128)
     assert path.stat().st_size > 1000
     fig = saved[0]
     fig.canvas.draw()
     ax = fig.axes[0]
-    legend, area = ax.get_legend().get_window_extent(), ax.get_window_extent()
-    assert legend.x0 >= area.x1  # entirely right of the plotting area
-    assert len(ax.get_legend().get_texts()) == 10  # every series and the original window
+    legend = ax.get_legend().get_window_extent()
+    (x0, y0), (x1, y1) = _data_extent(ax)
+    assert x1 > x0 and y1 > y0  # the case collides: the data spans the axes
+    assert legend.x0 > x1 or legend.x1 < x0 or legend.y0 > y1 or legend.y1 < y0
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == list(series) + ["original window"]
+
+
+@pytest.mark.parametrize("kind, mark, lengths", [("line_vs_length", 128, [256, 512, 1024]),
+                                                 ("line_vs_length", 2048, [1024, 2048, 4096]),
+                                                 ("curves", 128, None), ("curves", 300, None)])
+def test_original_window_line_has_its_value_as_a_tick(tmp_path, saved, kind, mark, lengths):
+    if kind == "curves":
+        x = np.arange(1024)
+        curves(tmp_path / "c.png", {"a": (x, np.log1p(x))}, "position (tokens)", "NLL (nats)", "t", mark=mark)
+    else:
+        line_vs_length(tmp_path / "l.png", lengths, {"a": [1.0, 0.5, 0.0]}, "accuracy", "t", mark=mark)
+    fig = saved[0]
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    line = next(line for line in ax.get_lines() if line.get_label() == "original window")
+    assert list(line.get_xdata()) == [mark, mark]
+    ticks = dict(zip(ax.get_xticks(), (t.get_text() for t in ax.get_xticklabels())))
+    assert ticks.get(mark) == str(mark)
+    # labels do not collide: consecutive tick labels' extents are disjoint
+    boxes = sorted((t.get_window_extent() for t in ax.get_xticklabels() if t.get_text()), key=lambda b: b.x0)
+    assert all(a.x1 <= b.x0 for a, b in zip(boxes, boxes[1:]))
+
+
+@pytest.mark.parametrize("values", [[6.9, 9.9, 25.0, 40.0], [8.3, 8.5, 8.7, 9.3], [0.09, 0.5, 3.0, 12.0],
+                                    [150.0, 450.0, 1100.0, 2900.0], [1e-9, 1e-5, 0.01, 1.0]])
+def test_log_axis_has_at_least_four_plain_tick_labels(tmp_path, saved, values):
+    line_vs_length(tmp_path / "l.png", [128, 256, 512, 1024], {"a": values}, "perplexity (log scale)", "t",
+                   log_y=True, mark=128)
+    fig = saved[0]
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    low, high = ax.get_ylim()
+    shown = [(v, t.get_text()) for v, t in zip(ax.get_yticks(), ax.get_yticklabels()) if low <= v <= high]
+    assert len(shown) >= 4, shown
+    for value, text in shown:  # a plain number that reads back as the tick's value (no 10^k mathtext)
+        assert "$" not in text and math.isclose(float(text), value, rel_tol=1e-3), (value, text)
+    assert all(t.get_text() == "" for t in ax.yaxis.get_minorticklabels())
+
+
+def test_log_ticks_are_round_and_in_range():
+    for lo, hi in [(6.9, 35.0), (8.0, 9.3), (1e-12, 1.0), (0.09, 10.0), (150.0, 3000.0), (7.0, 10.5)]:
+        ticks = log_ticks(lo, hi)
+        assert len(ticks) >= 4 and all(lo <= t <= hi for t in ticks) and ticks == sorted(ticks)
+        assert len(ticks) <= 12
+    assert log_ticks(6.9, 35.0) == [7.0, 8.0, 9.0, 10.0, 20.0, 30.0]  # 1..9 x 10^k: the sparsest set with 4
+    assert log_ticks(150.0, 3000.0) == [200.0, 500.0, 1000.0, 2000.0]  # 1, 2, 5 x 10^k
+
+
+def _heatmap_figure(tmp_path, saved, grid, **kwargs):
+    heatmap(tmp_path / "h.png", grid, ["0%-50%", "50%-100%"], ["128", "256"], "context length (tokens)",
+            "needle depth", "t", **kwargs)
+    fig = saved[-1]
+    fig.canvas.draw()
+    return fig
+
+
+def test_heatmap_key_for_cells_without_trials(tmp_path, saved):
+    fig = _heatmap_figure(tmp_path, saved, np.array([[1.0, np.nan], [0.5, 0.0]]))
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == ["no trials"]
+    (handle,) = legend.legend_handles
+    ax = fig.axes[0]
+    hatched = [p for p in ax.patches if p.get_hatch()]
+    assert len(hatched) == 1 and hatched[0].get_xy() == (0.5, -0.5)  # exactly the empty cell: column 1, row 0
+    assert handle.get_hatch() == hatched[0].get_hatch()
+    # below the axes and all its labels, so it covers no cell
+    assert legend.get_window_extent().y1 <= ax.get_tightbbox().y0 + 1
+
+    other = _heatmap_figure(tmp_path, saved, np.array([[1.0, np.nan], [0.5, 0.0]]), missing="does not fit")
+    assert [t.get_text() for t in other.legends[0].get_texts()] == ["does not fit"]
+
+
+def test_heatmap_without_empty_cells_has_no_key(tmp_path, saved):
+    fig = _heatmap_figure(tmp_path, saved, np.array([[1.0, 0.2], [0.5, 0.0]]))
+    assert not fig.legends and not [p for p in fig.axes[0].patches if p.get_hatch()]
