@@ -9,9 +9,12 @@ retrieves a passkey inside its window. Steps, all through the real commands (no 
   2. `pose_mlx.finetune --full --sampler pose --target 8x`: PoSE fine-tuning on Lc-token windows with position ids < 8 Lc
      (YaRN schedule by default: with PI the copy of a passkey does not survive, docs/simulator.md; full
      fine-tuning);
-  3. `pose_mlx.perplexity` of the original model (no change), the model with the schedule only (no training) and
-     the PoSE model at Lc, 2 Lc, 4 Lc, 8 Lc on the test documents;
-  4. `pose_mlx.passkey` of the original and the PoSE model at the same lengths.
+  3. `pose_mlx.perplexity` of three runs at Lc, 2 Lc, 4 Lc, 8 Lc on the test documents: "original" (the base,
+     unchanged), "YaRN, no training" (the base with the schedule applied, no training) and "PoSE + YaRN" (the
+     fine-tuned model);
+  4. `pose_mlx.passkey` of the same three runs at the same lengths.
+Writes each command's JSON and plots into --out (ppl-{original,yarn,pose}.json/.png, passkey-*.json, *_accuracy.png,
+*_heatmap.png) and comparison.png: every run's perplexity and passkey accuracy by length, side by side.
 The simulator's report (benchmarks/results/sim/report.md) has the paper's whole grid; this is its main line in
 a few minutes.
 """
@@ -43,6 +46,37 @@ def write_corpus(folder: Path, test_docs: int, train_docs: int | None, min_chars
         for i, text in enumerate(docs):
             (sub / f"{i:05d}.txt").write_text(text, encoding="utf-8")
     return train, test
+
+
+#: How the demo's tables and plots name a RoPE schedule.
+SCHEDULE_NAMES = {"yarn": "YaRN", "linear": "PI", "ntk": "NTK", "dynamic": "dynamic NTK", "abf": "ABF",
+                  "llama3": "Llama 3", "longrope": "LongRoPE", "dprope": "DPRoPE"}
+
+
+def run_labels(schedule: str) -> dict[str, str]:
+    """The demo's three runs (keys: the stems of their files) named by what they are."""
+    name = SCHEDULE_NAMES.get(schedule, schedule)
+    return {"original": "original", schedule: f"{name}, no training", "pose": f"PoSE + {name}"}
+
+
+def _table(rows: dict[str, dict[int, float]], lengths: list[int]) -> str:
+    width = max(24, 2 + max(map(len, rows)))
+    lines = [f"{'model':<{width}}" + "".join(f"{n:>10}" for n in lengths)]
+    for name, row in rows.items():
+        lines.append(f"{name:<{width}}" + "".join(f"{row[n]:>10.2f}" if n in row else f"{'-':>10}" for n in lengths))
+    return "\n".join(lines)
+
+
+def comparison(path: Path, lengths: list[int], ppl: dict, accuracy: dict, window: int) -> Path:
+    """Every run's perplexity (log scale) and passkey accuracy by length, two panels of one PNG."""
+    from .plots import panels
+
+    def series(table):
+        return {name: [row.get(n, float("nan")) for n in lengths] for name, row in table.items()}
+
+    return panels(path, lengths, [(series(ppl), "perplexity (log scale)", True, None),
+                                  (series(accuracy), "passkey accuracy (share of trials)", False, (-0.05, 1.05))],
+                  f"Extending the pre-trained model {lengths[-1] // window}x: every run of the demo", mark=window)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,41 +143,37 @@ def main(argv=None) -> int:
     if code:
         return code
     print("[3/4] sliding-window perplexity on the held-out documents")
-    lengths = ",".join(str(window * 2**k) for k in range(args.factor.bit_length()))
-    common = ["--data", str(test), "--lengths", lengths, "--docs", str(args.test_docs), "--stride", str(window),
-              "--no-progress"]
-    models = {"original": ["--model", str(model)],
-              f"{args.schedule} only (no training)": ["--model", str(model), "--schedule", args.schedule, "--target",
-                                                      str(target)],
-              f"PoSE + {args.schedule}": ["--model", str(out / "pose")]}
+    lengths = [window * 2**k for k in range(args.factor.bit_length())]
+    runs = run_labels(args.schedule)
+    common = ["--lengths", ",".join(map(str, lengths)), "--no-progress"]
+    extended = ["--model", str(model), "--schedule", args.schedule, "--target", str(target)]
+    models = {"original": ["--model", str(model)], args.schedule: extended, "pose": ["--model", str(out / "pose")]}
     results = {}
-    for name, extra in models.items():
-        path = out / f"ppl-{name.split()[0].lower()}.json"
-        code = perplexity.main(extra + common + ["--output", str(path)])
+    for key, extra in models.items():
+        path = out / f"ppl-{key}.json"
+        code = perplexity.main(extra + common + ["--data", str(test), "--docs", str(args.test_docs), "--stride",
+                                                 str(window), "--output", str(path)])
         if code:
             return code
-        results[name] = {r["length"]: r["ppl"] for r in json.loads(path.read_text())["results"]}
+        results[runs[key]] = {r["length"]: r["ppl"] for r in json.loads(path.read_text())["results"]}
     print("\nperplexity by evaluation length (lower is better):")
-    header = list(next(iter(results.values())))
-    print(f"{'model':<24}" + "".join(f"{n:>10}" for n in header))
-    for name, row in results.items():
-        print(f"{name:<24}" + "".join(f"{row[n]:>10.2f}" for n in header))
+    print(_table(results, lengths))
     print(f"[4/4] passkey retrieval, {args.passkey_trials} trials per length")
     accuracy = {}
-    for name, extra in (("original", ["--model", str(model), "--schedule", "none", "--target", str(target)]),
-                        (f"PoSE + {args.schedule}", ["--model", str(out / "pose")])):
-        path = out / f"passkey-{name.split()[0].lower()}.json"
-        code = passkey.main(extra + ["--lengths", lengths, "--trials", str(args.passkey_trials),
-                             "--no-progress", "--output", str(path)])
+    models["original"] = ["--model", str(model), "--schedule", "none", "--target", str(target)]
+    for key, extra in models.items():
+        path = out / f"passkey-{key}.json"
+        code = passkey.main(extra + common + ["--trials", str(args.passkey_trials), "--output", str(path)])
         if code:
             return code
-        accuracy[name] = {a["length"]: a["accuracy"] for a in json.loads(path.read_text())["accuracy"]}
-    print("\npasskey accuracy by length:")
-    print(f"{'model':<24}" + "".join(f"{n:>10}" for n in header))
-    for name, row in accuracy.items():
-        print(f"{name:<24}" + "".join(f"{row[n]:>10.2f}" if n in row else f"{'-':>10}" for n in header))
+        accuracy[runs[key]] = {a["length"]: a["accuracy"] for a in json.loads(path.read_text())["accuracy"]}
+    print("\npasskey accuracy by length ('-': the prompt template does not fit):")
+    print(_table(accuracy, lengths))
+    png = comparison(out / "comparison.png", lengths, results, accuracy, window)
     print(f"\nextended model: {out / 'pose'} (loads with mlx_lm.load or pose_mlx.load); "
           f"more trials: python -m pose_mlx.passkey --model {out / 'pose'} --trials 50")
+    print(f"per-run plots: {out}/ppl-*.png, {out}/passkey-*_accuracy.png and _heatmap.png; all runs side by side: "
+          f"{png}")
     return 0
 
 

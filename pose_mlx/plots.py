@@ -130,6 +130,43 @@ def draw_lines(ax, lengths: Sequence[int], series: dict[str, Sequence[float]], l
         ax.set_ylim(*ylim)
 
 
+def panels(
+    path: str | Path,
+    lengths: Sequence[int],
+    content: Sequence[tuple[dict[str, Sequence[float]], str, bool, tuple[float, float] | None]],
+    title: str,
+    mark: int | None = None,
+    xlabel: str = "context length (tokens)",
+) -> Path:
+    """Side-by-side panels sharing the x axis's meaning, one per (series, ylabel, log_y, ylim) of `content`, each
+    drawn as `line_vs_length` draws; one legend for all below the panels (a series keeps its colour in every
+    panel where it appears: colours follow the union of labels). Saved as PNG."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(content), figsize=(5.5 * len(content), 4.2), squeeze=False)
+    names = list(dict.fromkeys(label for series, *_ in content for label in series))
+    for ax, (series, ylabel, log_y, ylim) in zip(axes[0], content):
+        for label, values in series.items():
+            ax.plot(lengths, values, marker="o", label=label, color=f"C{names.index(label) % 10}")
+        draw_lines(ax, lengths, {}, log_y=log_y, ylim=ylim, mark=mark)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    handles = {}
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    for ax in axes[0]:
+        if mark:
+            mark_tick(ax, mark)
+    fig.legend(handles.values(), handles.keys(), loc="upper center", bbox_to_anchor=(0.5, 0.0),
+               ncol=min(4, len(handles)), fontsize="small")
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return Path(path)
+
+
 def _finish(plt, fig, ax, path, xlabel: str, ylabel: str, title: str, mark: float | None = None) -> Path:
     """Labels, grid, the mark's tick, the legend right of the axes (never over the data); saved as PNG."""
     ax.set_xlabel(xlabel)

@@ -2,6 +2,7 @@
 perplexity."""
 
 import json
+from pathlib import Path
 
 from pose_mlx import demo
 
@@ -15,7 +16,15 @@ def test_shipped_model_is_the_simulators_pretrained_llama():
     assert record["retrieval_blocks"] > 0  # the second protocol's base: retrieval documents in pre-training
 
 
-def test_demo_extends_and_evaluates(tmp_path, capsys):
+def test_demo_extends_and_evaluates(tmp_path, capsys, monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    figures, save = {}, Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda self, path, **kw: (figures.setdefault(Path(path).name, self),
+                                                                      save(self, path, **kw))[1])
     code = demo.main(["--out", str(tmp_path), "--steps", "4", "--batch-size", "4", "--train-docs", "40",
                       "--test-docs", "2"])
     assert code == 0
@@ -36,4 +45,25 @@ def test_demo_extends_and_evaluates(tmp_path, capsys):
     base = json.loads((tmp_path / "passkey-original.json").read_text())["accuracy"]
     assert [a["length"] for a in base] == [128, 256, 512, 1024]
     assert base[0]["accuracy"] >= 0.9  # the shipped base retrieves inside its window (1.00 over 50 trials)
-    assert (tmp_path / "passkey-pose.json").is_file()
+    assert (tmp_path / "passkey-pose.json").is_file() and (tmp_path / "passkey-yarn.json").is_file()
+    # runs are named by what they are, in the tables, in each run's own plot and in the comparison
+    runs = ["original", "YaRN, no training", "PoSE + YaRN"]
+    tables = out[out.index("perplexity by evaluation length"):]
+    assert [line.split("  ")[0] for line in tables.splitlines()[2:5]] == runs
+    assert "pretrained" not in tables.split("extended model:")[0]
+    legend = figures["ppl-yarn.png"].axes[0].get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["pretrained + yarn x8, no training", "original window"]
+    comparison = figures["comparison.png"]
+    assert f"{tmp_path / 'comparison.png'}" in out.splitlines()[-1] and (tmp_path / "comparison.png").is_file()
+    ppl_ax, passkey_ax = comparison.axes
+    assert ppl_ax.get_yscale() == "log" and "perplexity" in ppl_ax.get_ylabel()
+    assert "passkey" in passkey_ax.get_ylabel() and "tokens" in passkey_ax.get_xlabel()
+    for ax in (ppl_ax, passkey_ax):  # every run drawn in both panels, at the demo's lengths
+        lines = {line.get_label(): list(line.get_xdata()) for line in ax.get_lines()}
+        assert all(lines[name] == [128, 256, 512, 1024] for name in runs)
+    (key,) = comparison.legends
+    assert [t.get_text() for t in key.get_texts()] == runs + ["original window"]
+    comparison.canvas.draw()
+    assert all(key.get_window_extent().y1 <= ax.get_tightbbox().y0 for ax in comparison.axes)  # below the panels
+    ppl_lines = {line.get_label(): list(line.get_ydata()) for line in ppl_ax.get_lines()}
+    assert ppl_lines["original"] == ppl["original"] and ppl_lines["PoSE + YaRN"] == ppl["pose"]
