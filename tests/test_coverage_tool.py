@@ -91,7 +91,7 @@ def _legend_hides_data(fig) -> list[str]:
     return hidden
 
 
-@pytest.mark.parametrize("plot", ["plot_bounds", "plot_granularity", "plot_angles"])
+@pytest.mark.parametrize("plot", ["plot_coverage", "plot_bounds", "plot_granularity", "plot_angles"])
 def test_legends_do_not_cover_curves_at_default_settings(tmp_path, monkeypatch, plot):
     """The README's figures (default settings): no legend box sits on top of a plotted curve."""
     tool = _load_tool()
@@ -105,3 +105,16 @@ def test_legends_do_not_cover_curves_at_default_settings(tmp_path, monkeypatch, 
     monkeypatch.setattr(tool, "_save", check_then_save)
     getattr(tool, plot)(tool.parse_args(["--out", str(tmp_path)]), tmp_path)
     assert covered and all(not labels for labels in covered.values()), covered
+
+
+def test_coverage_plot_writes_the_original_window_on_its_axis(tmp_path, monkeypatch):
+    tool = _load_tool()
+    figures = []
+    save = tool._save
+    monkeypatch.setattr(tool, "_save", lambda fig, path: (figures.append(fig), save(fig, path))[1])
+    tool.plot_coverage(tool.parse_args(["--out", str(tmp_path), "--window", "300", "--target", "2400",
+                                        "--samples", "200"]), tmp_path)
+    ax = figures[0].axes[0]
+    ticks = dict(zip(ax.get_xticks(), (t.get_text() for t in ax.get_xticklabels())))
+    assert ticks[300] == "300" and "tokens" in ax.get_xlabel()
+    assert "original window Lc = 300" in [t.get_text() for t in ax.get_legend().get_texts()]

@@ -20,6 +20,7 @@ from pose_mlx.analysis import (angle_histograms, coverage_monte_carlo, coverage_
                                granularity_limit, helix, interpolation_bound, rope_inv_freq)
 from pose_mlx.angles import FLOOR
 from pose_mlx.errors import ArgumentParser, UserError, command
+from pose_mlx.plots import mark_tick, plain_log_axis
 
 
 def _pyplot():
@@ -50,16 +51,17 @@ def plot_coverage(args, out: Path) -> dict:
     curves["RandPos (Monte Carlo)"] = rp
     r = np.arange(lt)
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(9, 4))
     for k, (label, q) in enumerate(curves.items()):
         style = {"ls": "--", "lw": 2.5, "alpha": 0.6} if k == 0 else {"lw": 1.2}
         ax.plot(r[1:], q[1:], label=label, **style)
-    ax.axvline(lc, color="grey", ls="--", lw=0.8)
-    ax.set_xlabel("relative distance r")
+    ax.axvline(lc, color="grey", ls=":", lw=0.8, label=f"original window Lc = {lc}")
+    ax.set_xlabel("relative distance r (tokens)")
     ax.set_ylabel("P(r covered by one example)")
-    ax.set_title(f"Coverage of relative distances, {lc} -> {lt}")
+    ax.set_title(f"Coverage of relative distances, {lc} -> {lt} tokens")
     ax.set_ylim(-0.02, 1.05)
-    ax.legend(fontsize=8, loc="center right")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside the data
+    mark_tick(ax, lc)
     _save(fig, out / "coverage.png")
     header = "distance," + ",".join(curves)
     np.savetxt(out / "coverage.csv", np.column_stack([r] + list(curves.values())), delimiter=",", header=header,
@@ -103,7 +105,8 @@ def plot_angles(args, out: Path) -> dict:
     ax.scatter(idx[chosen], np.full(chosen.sum(), ax.get_ylim()[1] * 0.5), marker="v", color="C3",
                label=f"DPRoPE picks interpolation (x{s:g})")
     ax.set_xlabel("frequency pair i (theta_i = b^(-2i/d))")
-    ax.set_ylabel("KL(P_pretrained || P_candidate)")
+    ax.set_ylabel("KL(P_pretrained || P_candidate) (nats)")
+    plain_log_axis(ax.yaxis)
     ax.set_title("Per-dimension disturbance and DPRoPE's choice")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside the data
     _save(fig, out / "dprope_kl.png")
@@ -154,6 +157,7 @@ def plot_granularity(args, out: Path) -> dict:
     ax2.semilogx(betas, c_abf, label=f"C_d (mean over d/2), d={args.head_dim}")
     ax2.semilogx(betas, [granularity_limit(args.base, beta=b) for b in betas], "--", label="1 / (ln b + ln beta)")
     ax2.set_xlabel("ABF factor beta")
+    plain_log_axis(ax2.xaxis)
     ax2.set_ylabel("granularity C_d")
     ax2.set_title("RoPE + ABF")
     ax2.legend(fontsize=8)
@@ -171,14 +175,15 @@ def plot_bounds(args, out: Path) -> dict:
     b = extrapolation_sum(s, args.head_dim, args.base)
     interp = interpolation_bound(s + 0.5, args.head_dim, args.base, s1=s, s2=s + 1)
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 3.8))
+    fig, ax = plt.subplots(figsize=(9, 3.8))
     ax.semilogy(s, 2 * b, lw=0.6, label="extrapolation bound 2 B(s) (eq. 8)")
     ax.semilogy(s, np.full_like(s, 2 * args.head_dim), "k--", lw=1, label="2 d (paper: B(s) >= d)")
     ax.semilogy(s, interp, lw=1.5, label="interpolation bound, midpoint (eq. 5)")
-    ax.set_xlabel("relative distance s")
+    ax.set_xlabel("relative distance s (tokens)")
     ax.set_ylabel("bound / max|h_j|")
+    plain_log_axis(ax.yaxis)
     ax.set_title(f"PI bounds, d={args.head_dim}, c={args.base:g}")
-    ax.legend(fontsize=8, loc="center right")  # the empty band between the two bounds
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside the data
     _save(fig, out / "bounds.png")
     np.savetxt(out / "bounds.csv", np.column_stack([s, b, interp]), delimiter=",",
                header="s,B(s),interpolation_bound_midpoint", comments="")
