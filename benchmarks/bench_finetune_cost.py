@@ -18,7 +18,7 @@ Where the cost goes: after each run the model's attention alone is timed on the 
 attention's share of a step is attention_s / step_s. Its work grows with the square of the sequence, the rest of
 the step (embeddings, projections, MLPs, loss, optimizer) linearly.
 Writes benchmarks/results/finetune_cost.json (records {method, ratio, step_s, step_s_median, peak_bytes,
-tokens_per_step}) and benchmarks/results/finetune_cost.png.
+tokens_per_step}) and benchmarks/results/finetune_cost.png; `--plot-only` draws the PNG again from the JSON.
 """
 
 import argparse
@@ -37,7 +37,7 @@ import mlx.core as mx
 from pose_mlx import extend, use_positions
 from pose_mlx.backend import status as blas_status
 from pose_mlx.training.data import ExampleStream
-from pose_mlx.plots import _pyplot
+from pose_mlx.plots import _pyplot, plain_log_axis
 from pose_mlx.model.source import build_model
 from pose_mlx.toy import model_config
 from pose_mlx.training.loop import TrainConfig, train
@@ -90,18 +90,11 @@ def attention_cost(args, sequence: int, passes: int = 3) -> dict:
     return {"attention_s": min(seconds)}
 
 
-def _label_2_3_5(value: float, _pos) -> str:
-    """Minor log-axis tick label: only 2, 3 and 5 x 10^k are written, so the labels do not collide."""
-    mantissa = value / 10 ** np.floor(np.log10(value))
-    return f"{value:g}" if round(mantissa) in (2, 3, 5) else ""
-
-
 def plot(records: list[dict], path: Path, window: int) -> Path:
-    from matplotlib.ticker import FuncFormatter
-
+    """Seconds per step and peak memory against the ratio, log-log panels; one legend below both."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, key, label, scale in ((axes[0], "step_s", "seconds per step", 1.0),
+    for ax, key, label, scale in ((axes[0], "step_s", "seconds per step (s)", 1.0),
                                   (axes[1], "peak_bytes", "peak memory (MiB)", 2.0 ** -20)):
         for method, name in (("pose", f"PoSE (Lc = {window} tokens)"), ("full", "Full-length (Lt tokens)")):
             rows = sorted((r for r in records if r["method"] == method), key=lambda r: r["ratio"])
@@ -109,22 +102,27 @@ def plot(records: list[dict], path: Path, window: int) -> Path:
         ax.set_xscale("log", base=2)
         ratios = sorted({r["ratio"] for r in records})
         ax.set_xticks(ratios, [f"{r}x" for r in ratios])
-        ax.set_xlabel("extension ratio Lt / Lc")
+        ax.minorticks_off()
+        ax.set_xlabel(f"extension ratio Lt / Lc (Lc = {window} tokens)")
         ax.set_ylabel(label)
         ax.set_yscale("log")
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
-        ax.yaxis.set_minor_formatter(FuncFormatter(_label_2_3_5))
+        plain_log_axis(ax.yaxis)
         ax.grid(True, alpha=0.3)
     rows = sorted((r for r in records if r["method"] == "full"), key=lambda r: r["ratio"])
     axes[0].plot([r["ratio"] for r in rows], [r["attention_s"] for r in rows], marker=".", linestyle="--",
                  color="C1", label="Full-length: its attention alone")
-    for ax in axes:
-        ax.legend()
     fig.suptitle("Fine-tuning cost per step vs target length (cf. PoSE paper, Figure 3)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
+
+
+def replot(out: Path) -> Path:
+    """The PNG beside `out` drawn again from its committed records, without measuring anything."""
+    record = json.loads(out.read_text())
+    return plot(record["records"], out.with_suffix(".png"), record["config"]["window"])
 
 
 def main():
@@ -143,7 +141,14 @@ def main():
     parser.add_argument("--full-max", type=int, default=16, help="largest ratio for full-length (default 16)")
     parser.add_argument("--pose-max", type=int, default=64, help="largest ratio for PoSE (default 64)")
     parser.add_argument("--out", default=str(RESULTS_DIR / "finetune_cost.json"), help="JSON path (PNG beside it)")
+    parser.add_argument("--plot-only", action="store_true",
+                        help="only draw the PNG again from the JSON at --out (no measurement)")
     args = parser.parse_args()
+    if args.plot_only:
+        if not Path(args.out).is_file():
+            parser.error(f"--plot-only: {args.out} does not exist")
+        print(f"wrote {replot(Path(args.out))}")
+        return
     if min(args.steps, args.pose_steps) < 2 or args.rounds < 1 or args.full_max < 2 or args.pose_max < 2:
         parser.error("--steps and --pose-steps must be >= 2, --rounds >= 1, --full-max and --pose-max >= 2")
 
