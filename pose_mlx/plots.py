@@ -30,19 +30,21 @@ _LOG_SUBS = ((1.0,), (1.0, 2.0, 5.0), (1.0, 2.0, 3.0, 5.0), tuple(float(m) for m
 
 def log_ticks(vmin: float, vmax: float, minimum: int = 4) -> list[float]:
     """Tick values for a log axis over [vmin, vmax]: m x 10^k for the sparsest mantissa set in `_LOG_SUBS` that puts
-    at least `minimum` ticks in view (wide ranges: powers of ten, every n-th decade so that at most 8 remain);
-    narrower ranges than any set covers: evenly spaced round values (matplotlib's MaxNLocator, as many bins as it takes)."""
+    at least `minimum` ticks in view and leaves no stretch without a tick longer than 45% of the axis (in log
+    scale; wide ranges: powers of ten, every n-th decade so that at most 8 remain); narrower ranges than any set covers: evenly spaced round values (matplotlib's MaxNLocator, as many bins as it takes)."""
     from matplotlib.ticker import MaxNLocator
 
     lo, hi = sorted((float(vmin), float(vmax)))
     if not (lo > 0 and math.isfinite(hi)):
         return []
     decades = range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)
+    span = math.log10(hi / lo)
     for subs in _LOG_SUBS:
         ticks = [m * 10.0**k for k in decades for m in subs if lo <= m * 10.0**k <= hi]
-        if len(ticks) >= minimum:
-            step = math.ceil(len(ticks) / 8) if subs == (1.0,) else 1
-            return ticks[::step]
+        ticks = ticks[::max(1, math.ceil(len(ticks) / 8))] if subs == (1.0,) else ticks
+        gaps = np.diff(np.log10([lo, *ticks, hi])) if ticks else [span]
+        if len(ticks) >= minimum and max(gaps) <= 0.45 * span:
+            return ticks
     ticks: list[float] = []
     for bins in range(minimum, 4 * minimum):
         ticks = [float(t) for t in MaxNLocator(nbins=bins, steps=[1, 2, 2.5, 5, 10]).tick_values(lo, hi)

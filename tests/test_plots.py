@@ -94,10 +94,13 @@ def test_log_axis_has_at_least_four_plain_tick_labels(tmp_path, saved, values):
 
 
 def test_log_ticks_are_round_and_in_range():
-    for lo, hi in [(6.9, 35.0), (8.0, 9.3), (1e-12, 1.0), (0.09, 10.0), (150.0, 3000.0), (7.0, 10.5)]:
+    for lo, hi in [(6.6, 17.5), (6.9, 35.0), (8.0, 9.3), (1e-12, 1.0), (0.09, 10.0), (150.0, 3000.0), (7.0, 10.5)]:
         ticks = log_ticks(lo, hi)
         assert len(ticks) >= 4 and all(lo <= t <= hi for t in ticks) and ticks == sorted(ticks)
         assert len(ticks) <= 12
+        # no long stretch of the axis without a label (the sim's ppl_main.png once had 7-10 of 6.6-17.5 labelled)
+        assert np.diff(np.log10([lo, *ticks, hi])).max() <= 0.45 * np.log10(hi / lo)
+    assert log_ticks(6.6, 17.5) == [7.0, 8.0, 9.0, 10.0, 12.0, 15.0]
     assert log_ticks(6.9, 35.0) == [7.0, 8.0, 9.0, 10.0, 20.0, 30.0]  # 1..9 x 10^k: the sparsest set with 4
     assert log_ticks(150.0, 3000.0) == [200.0, 500.0, 1000.0, 2000.0]  # 1, 2, 5 x 10^k
 

@@ -25,6 +25,8 @@ TABLES = (
 #: Runs drawn in the per-position NLL figure, and whose passkey depth x length heatmaps the report shows.
 NLL_RUNS = ("original", "only-linear", "only-yarn", "full-linear", "pose-linear", "full-yarn", "pose-yarn",
             "randpos-linear")
+#: The cost figures' names of the training methods (keys of results["cost_vs_target"]).
+METHOD_LABELS = {"pose": "PoSE (Lc-token sequences)", "full": "full-length (Lt-token sequences)"}
 HEATMAP_RUNS = ("original", "only-linear", "pose-linear", "full-linear", "pose-yarn")
 
 
@@ -76,7 +78,7 @@ def plots(results: dict, folder: Path) -> list[Path]:
         tested = sorted({int(L) for n in keys for L in results["runs"][n]["passkey"]})
         series = {_label(results, n): [results["runs"][n]["passkey"].get(str(L), float("nan")) for L in tested]
                   for n in keys}
-        out.append(line_vs_length(folder / "passkey.png", tested, series, "accuracy",
+        out.append(line_vs_length(folder / "passkey.png", tested, series, "accuracy (share of trials)",
                                   "Passkey retrieval (cf. paper Figure 2b)", ylim=(-0.05, 1.05), mark=window))
     nll = results.get("nll_by_position") or {}
     shown = [n for n in NLL_RUNS if n in nll]
@@ -90,12 +92,14 @@ def plots(results: dict, folder: Path) -> list[Path]:
         if source.is_file():
             out.append(Path(shutil.copyfile(source, folder / f"passkey_heatmap_{name}.png")))
     cost = results.get("cost_vs_target", {})
-    for key, ylabel in (("seconds_per_step", "seconds per update"), ("peak_memory_gb", "peak memory (GiB)")):
+    for key, ylabel in (("seconds_per_step", "seconds per update (s)"), ("peak_memory_gb", "peak memory (GiB)")):
         targets = sorted({int(t) for rows in cost.values() for t in rows})
         if targets:
-            series = {m: [rows.get(str(t), {}).get(key, float("nan")) for t in targets] for m, rows in cost.items()}
+            series = {METHOD_LABELS.get(m, m): [rows.get(str(t), {}).get(key, float("nan")) for t in targets]
+                      for m, rows in cost.items()}
             out.append(line_vs_length(folder / f"cost_{key.split('_')[0]}.png", targets, series, ylabel,
-                                      "Training cost vs target length (cf. paper Figure 3)"))
+                                      "Training cost vs target length (cf. paper Figure 3)",
+                                      xlabel="target length Lt (tokens)"))
     return out
 
 
