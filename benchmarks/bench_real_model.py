@@ -5,7 +5,7 @@ Every stage goes through the project's own commands (`pose_mlx.finetune`, `pose_
 `pose_mlx.perplexity`, `pose_mlx.ruler`) with the GGUF file as `--model`, and caches its output: each evaluation's
 JSON in `benchmarks/results/real_model/eval/` (small, committed, so the benchmark can go on in another session),
 the corpus, token cache, exported models and logs under `--work`. A rerun skips what is done; `--only RUN` and
-`--stage finetune|eval|ruler|report` run it in parts. Results: `benchmarks/results/real_model/` (results.json,
+`--stage finetune|eval|ruler|report` run it in parts (`--stage plots` only redraws the PNGs from results.json). Results: `benchmarks/results/real_model/` (results.json,
 report.md, plots, and the PoSE runs' LoRA adapters with their config, enough to rebuild those models from the GGUF
 file: `python -m pose_mlx.convert SmolLM2-135M-Instruct.Q4_1.gguf M && cp adapters/pose-yarn/* M/`). The
 short-context regression's question set runs separately (`benchmarks/short_qa.py`); the report collects it.
@@ -243,13 +243,25 @@ def best_training_free(results: dict) -> str | None:
                                        -item[1].get("ppl", {}).get(str(TARGET), float("inf"))))[0]
 
 
+#: What the plots' legends call each run.
+RUN_LABELS = {"none": "original (no scaling)", "linear": "PI, no training", "ntk": "NTK, no training",
+              "yarn": "YaRN, no training", "dynamic": "dynamic NTK, no training", "pose-linear": "PoSE + PI",
+              "pose-yarn": "PoSE + YaRN"}
+
+
+def run_label(name: str) -> str:
+    """A run's name in the plots: `RUN_LABELS`, a variant's tag kept ("pose-yarn (lr3e-5)": "PoSE + YaRN (lr3e-5)")."""
+    base, paren, tag = name.partition(" (")
+    return RUN_LABELS.get(base, base) + paren + tag
+
+
 def plots(results: dict, out_dir: Path) -> list[Path]:
     from pose_mlx.plots import line_vs_length
 
     written = []
-    runs = results["runs"]
-    for key, ylabel, title, log_y, ylim in (("passkey", "accuracy", "Passkey retrieval, SmolLM2-135M 8k -> 32k",
-                                              False, (-0.05, 1.05)),
+    runs = {run_label(name): r for name, r in results["runs"].items()}
+    for key, ylabel, title, log_y, ylim in (("passkey", "accuracy (share of trials)",
+                                              "Passkey retrieval, SmolLM2-135M 8k -> 32k", False, (-0.05, 1.05)),
                                              ("ppl", "perplexity (log scale)", "Perplexity on held-out reST docs",
                                               True, None)):
         lengths = sorted({int(n) for r in runs.values() for n in r.get(key, {})})
@@ -263,7 +275,7 @@ def plots(results: dict, out_dir: Path) -> list[Path]:
     if lengths:
         written.append(line_vs_length(out_dir / "ruler.png", lengths,
                                       {name: [a.get(n, float("nan")) for n in lengths] for name, a in averages.items()},
-                                      "average score", f"RULER ({RULER_TASKS}), SmolLM2-135M 8k -> 32k",
+                                      "average score (share of references found)", f"RULER ({RULER_TASKS}), SmolLM2-135M 8k -> 32k",
                                       ylim=(-0.05, 1.05), mark=ORIGINAL))
     return written
 
@@ -547,8 +559,9 @@ def main(argv=None) -> int:
     p.add_argument("--docs", type=Path, default=DOCS,
                    help="folder of the reST sources (*.rst.txt) to train and test on (default %(default)s)")
     p.add_argument("--only", action="append", default=None, help="run only these runs (repeatable)")
-    p.add_argument("--stage", choices=("finetune", "eval", "ruler", "report", "all"), default="all",
-                   help="what to run (default all, in order)")
+    p.add_argument("--stage", choices=("finetune", "eval", "ruler", "report", "all", "plots"), default="all",
+                   help="what to run (default all, in order); plots: only draw the PNGs again from results.json, "
+                        "offline, without the model")
     p.add_argument("--window", type=int, default=1024, help="PoSE training window (default 1024)")
     p.add_argument("--steps", type=int, default=200, help="PoSE fine-tuning updates (default 200, as pose-yarn ran)")
     p.add_argument("--lr", type=float, default=1e-4, help="LoRA learning rate (default 1e-4)")
@@ -584,6 +597,11 @@ def main(argv=None) -> int:
     if min(args.passkey_seeds) < 0:
         p.error(f"--passkey-seeds: seeds are >= 0, got {args.passkey_seeds}")
     work, out = args.work, args.results
+    if args.stage == "plots":
+        if not (out / "results.json").is_file():
+            p.error(f"--stage plots: {out / 'results.json'} does not exist")
+        print(f"wrote {', '.join(map(str, plots(json.loads((out / 'results.json').read_text()), out)))}")
+        return 0
     gguf = model_file()
     train, test = corpus(work, args.test_docs, args.docs)
     results_path = out / "results.json"
