@@ -132,3 +132,39 @@ def test_heatmap_key_for_cells_without_trials(tmp_path, saved):
 def test_heatmap_without_empty_cells_has_no_key(tmp_path, saved):
     fig = _heatmap_figure(tmp_path, saved, np.array([[1.0, 0.2], [0.5, 0.0]]))
     assert not fig.legends and not [p for p in fig.axes[0].patches if p.get_hatch()]
+
+
+def _benchmark(name):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(folder))
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, folder / "results"
+
+
+def test_finetune_cost_legend_is_below_both_panels(tmp_path, saved):
+    import json
+
+    bench, results = _benchmark("bench_finetune_cost")
+    record = json.loads((results / "finetune_cost.json").read_text())
+    bench.plot(record["records"], tmp_path / "f.png", record["config"]["window"])
+    fig = saved[0]
+    fig.canvas.draw()
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == ["PoSE (Lc = 128 tokens)", "Full-length (Lt tokens)",
+                                                          "Full-length: its attention alone"]
+    for ax in fig.axes:  # below every panel and its labels, so over no line (the dashed one included)
+        assert legend.get_window_extent().y1 <= ax.get_tightbbox().y0 + 1
+        assert ax.get_yscale() == "log" and len([t for t in ax.get_yticklabels() if t.get_text()]) >= 4
+
+
+def test_real_model_runs_are_named_by_what_they_are():
+    bench, _ = _benchmark("bench_real_model")
+    assert bench.run_label("none") == "original (no scaling)"
+    assert bench.run_label("yarn") == "YaRN, no training"
+    assert bench.run_label("pose-yarn (lr3e-5)") == "PoSE + YaRN (lr3e-5)"
