@@ -168,3 +168,28 @@ def test_real_model_runs_are_named_by_what_they_are():
     assert bench.run_label("none") == "original (no scaling)"
     assert bench.run_label("yarn") == "YaRN, no training"
     assert bench.run_label("pose-yarn (lr3e-5)") == "PoSE + YaRN (lr3e-5)"
+
+
+def test_simulator_report_plots_from_its_committed_results(tmp_path, saved):
+    import json
+    from pathlib import Path
+
+    from pose_mlx.sim.report import plots
+
+    results = json.loads((Path(__file__).resolve().parents[1] / "benchmarks/results/sim/results.json").read_text())
+    pngs = plots(results, tmp_path)
+    figures = dict(zip((p.name for p in pngs), saved))
+    for fig in figures.values():
+        fig.canvas.draw()
+    ppl = figures["ppl_main.png"].axes[0]
+    low, high = ppl.get_ylim()
+    labelled = [v for v, t in zip(ppl.get_yticks(), ppl.get_yticklabels()) if t.get_text() and low <= v <= high]
+    assert len(labelled) >= 4 and labelled[-1] >= 12  # the upper half of the axis is labelled too
+    window = results["config"]["window"]
+    for name in ("ppl_main.png", "passkey.png", "nll_by_position.png"):
+        ax = figures[name].axes[0]
+        assert dict(zip(ax.get_xticks(), (t.get_text() for t in ax.get_xticklabels())))[window] == str(window)
+    cost = figures["cost_seconds.png"].axes[0]
+    assert cost.get_xlabel() == "target length Lt (tokens)" and "(s)" in cost.get_ylabel()
+    assert [t.get_text() for t in cost.get_legend().get_texts()] == ["PoSE (Lc-token sequences)",
+                                                                    "full-length (Lt-token sequences)"]
