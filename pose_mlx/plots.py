@@ -31,7 +31,8 @@ _LOG_SUBS = ((1.0,), (1.0, 2.0, 5.0), (1.0, 2.0, 3.0, 5.0), tuple(float(m) for m
 def log_ticks(vmin: float, vmax: float, minimum: int = 4) -> list[float]:
     """Tick values for a log axis over [vmin, vmax]: m x 10^k for the sparsest mantissa set in `_LOG_SUBS` that puts
     at least `minimum` ticks in view and leaves no stretch without a tick longer than 45% of the axis (in log
-    scale; wide ranges: powers of ten, every n-th decade so that at most 8 remain); narrower ranges than any set covers: evenly spaced round values (matplotlib's MaxNLocator, as many bins as it takes)."""
+    scale; wide ranges: powers of ten, every n-th decade so that at most 8 remain); ranges narrower than any set
+    covers: evenly spaced round values (matplotlib's MaxNLocator, as many bins as it takes)."""
     from matplotlib.ticker import MaxNLocator
 
     lo, hi = sorted((float(vmin), float(vmax)))
