@@ -7,8 +7,9 @@ JSON in `benchmarks/results/real_model/eval/` (small, committed, so the benchmar
 the corpus, token cache, exported models and logs under `--work`. A rerun skips what is done; `--only RUN` and
 `--stage finetune|eval|ruler|report` run it in parts (`--stage plots` only redraws the PNGs from results.json).
 Results: `benchmarks/results/real_model/` (results.json, report.md, plots, and the PoSE runs' LoRA adapters with
-their config, enough to rebuild those models from the GGUF file: `python -m pose_mlx.convert SmolLM2-135M-Instruct.Q4_1.gguf M && cp adapters/pose-yarn/* M/`). The
-short-context regression's question set runs separately (`benchmarks/short_qa.py`); the report collects it.
+their config, enough to rebuild those models from the GGUF file:
+`python -m pose_mlx.convert SmolLM2-135M-Instruct.Q4_1.gguf M && cp adapters/pose-yarn/* M/`). The short-context
+regression's question set runs separately (`benchmarks/short_qa.py`); the report collects it.
 
 Runs (original window 8192, target 32768, s = 4):
   training-free: `none` (the base model), `linear`, `ntk`, `yarn`, `dynamic` (evaluated with --schedule/--target);
