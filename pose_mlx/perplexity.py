@@ -178,9 +178,8 @@ def main(argv=None) -> int:
     print(f"model {info.path}: schedule {info.schedule}; original window {info.original}, "
           f"max {info.maximum}; memory estimate {estimate}", file=sys.stderr)
     results = perplexity(info.model, docs, lengths, args.stride, bos, args.chunk, not args.no_progress)
-    name = info.name
     print(f"{METRIC}; stride {args.stride}; {len(docs)} documents")
-    print(format_table(name, results))
+    print(format_table(info.label, results))
     out = longctx.default_output("perplexity", info, args.output)
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)

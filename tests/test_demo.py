@@ -51,6 +51,7 @@ def test_demo_extends_and_evaluates(tmp_path, capsys, monkeypatch):
     tables = out[out.index("perplexity by evaluation length"):]
     assert [line.split("  ")[0] for line in tables.splitlines()[2:5]] == runs
     assert "pretrained" not in tables.split("extended model:")[0]
+    assert "| pretrained + yarn x8, no training | " in out  # pose_mlx.perplexity's own table of that run
     legend = figures["ppl-yarn.png"].axes[0].get_legend()
     assert [t.get_text() for t in legend.get_texts()] == ["pretrained + yarn x8, no training", "original window"]
     comparison = figures["comparison.png"]
