@@ -60,9 +60,12 @@ class EvalModel:
 
     @property
     def label(self) -> str:
-        """What the plots' legends call it: the name and what its positions are, e.g. "pretrained",
-        "pretrained + yarn x8, no training" (a schedule applied here), "pose (yarn x8)" (a saved extension)."""
+        """What the plots' legends call it: the name and what its positions are, e.g. "pretrained" (also with
+        `--schedule none`), "pretrained + yarn x8, no training" (a schedule applied here), "pose (yarn x8)" (a
+        saved extension)."""
         schedule, _, how = self.schedule.partition(" (")
+        if schedule.split()[0] == "none":
+            return self.name
         if how.startswith("--schedule"):
             return f"{self.name} + {schedule}, no training"
         return f"{self.name} ({schedule})" if how else self.name

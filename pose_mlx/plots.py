@@ -25,7 +25,8 @@ def _pyplot():
 
 #: mantissas tried in turn, sparsest first, for the ticks of a log axis.
 _LOG_SUBS = ((1.0,), (1.0, 2.0, 5.0), (1.0, 2.0, 3.0, 5.0), tuple(float(m) for m in range(1, 10)),
-             (1.0, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0))
+             (1.0, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0),
+             (1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 6.0, 7.0, 8.0, 9.0))
 
 
 def log_ticks(vmin: float, vmax: float, minimum: int = 4) -> list[float]:
@@ -41,7 +42,7 @@ def log_ticks(vmin: float, vmax: float, minimum: int = 4) -> list[float]:
     decades = range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)
     span = math.log10(hi / lo)
     for subs in _LOG_SUBS:
-        ticks = [m * 10.0**k for k in decades for m in subs if lo <= m * 10.0**k <= hi]
+        ticks = [t for t in (float(f"{m * 10.0**k:.12g}") for k in decades for m in subs) if lo <= t <= hi]
         ticks = ticks[::max(1, math.ceil(len(ticks) / 8))] if subs == (1.0,) else ticks
         gaps = np.diff(np.log10([lo, *ticks, hi])) if ticks else [span]
         if len(ticks) >= minimum and max(gaps) <= 0.45 * span:

@@ -190,6 +190,7 @@ def test_dynamic_ntk_perplexity_does_not_depend_on_the_chunk(tmp_path, chunk):
 @pytest.mark.parametrize("path, schedule, label", [
     ("/m/pretrained", "as configured", "pretrained"),
     ("/m/pretrained", "yarn x8 (--schedule, no training)", "pretrained + yarn x8, no training"),
+    ("/m/pretrained", "none x8 (--schedule, no training)", "pretrained"),  # positions unchanged, only allowed further
     ("/m/pose", "yarn x8 (from pose_mlx.json)", "pose (yarn x8)"),
     ("/m/SmolLM2.Q4_1.gguf", "as configured", "SmolLM2.Q4_1"),
 ])

@@ -101,6 +101,7 @@ def test_log_ticks_are_round_and_in_range():
         # no long stretch of the axis without a label (the sim's ppl_main.png once had 7-10 of 6.6-17.5 labelled)
         assert np.diff(np.log10([lo, *ticks, hi])).max() <= 0.45 * np.log10(hi / lo)
     assert log_ticks(6.6, 17.5) == [7.0, 8.0, 9.0, 10.0, 12.0, 15.0]
+    assert log_ticks(10.2, 23.5) == [12.0, 14.0, 16.0, 18.0, 20.0]  # the demo's perplexities
     assert log_ticks(6.9, 35.0) == [7.0, 8.0, 9.0, 10.0, 20.0, 30.0]  # 1..9 x 10^k: the sparsest set with 4
     assert log_ticks(150.0, 3000.0) == [200.0, 500.0, 1000.0, 2000.0]  # 1, 2, 5 x 10^k
 
