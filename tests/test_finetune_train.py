@@ -242,3 +242,80 @@ def test_loss_depends_on_position_ids_only_through_relative_distances():
     contiguous = loss(np.arange(17))
     assert loss(np.arange(17) + 40) == pytest.approx(contiguous, abs=1e-5)
     assert abs(loss(np.concatenate([np.arange(8), np.arange(9) + 60])) - contiguous) > 1e-4
+
+
+# ------------------------------------------------------------------------------------------ collapse check
+
+
+def test_collapse_ceiling_is_decided_from_the_starting_loss():
+    """Hand-computed: u = ln 97, m = 10% of u. A model that knew something (start below u - m) is collapsed back at
+    u; one that began at the guess only well above its own start (or the guess, whichever is higher)."""
+    from pose_mlx.training.loop import COLLAPSE_MARGIN, collapse_ceiling
+
+    u = math.log(97)
+    m = COLLAPSE_MARGIN * u
+    assert COLLAPSE_MARGIN == 0.1
+    assert collapse_ceiling(2.0, 97) == u  # pre-trained: back at the guess is collapse
+    assert collapse_ceiling(u - m - 1e-6, 97) == u
+    assert collapse_ceiling(u - m / 2, 97) == pytest.approx(u + m)  # barely below the guess: noise allowed
+    assert collapse_ceiling(u, 97) == pytest.approx(1.1 * u)
+    assert collapse_ceiling(u + 0.3, 97) == pytest.approx(u + 0.3 + m)  # a random model starting above the guess
+    assert collapse_ceiling(float("nan"), 97) == u
+
+
+def _random_model_and_probe():
+    from pose_mlx.model.source import build_model
+    from pose_mlx.toy import model_config
+    from pose_mlx.training.data import collate
+
+    model = build_model(model_config(97, hidden_size=32, num_layers=2, num_heads=4), seed=1)
+    rng = np.random.default_rng(7)
+    rows = [(rng.integers(3, 97, size=33).astype(np.int32), np.arange(33), np.ones(32, dtype=np.float32))
+            for _ in range(4)]
+    return model, collate(rows, [0, 1, 2, 3])
+
+
+def _positions(model, ids):
+    """Contiguous ids: the model's own positions (no schedule to apply)."""
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def test_a_healthy_random_model_at_the_uniform_guess_is_not_collapsed():
+    """A tiny random model starts at about ln(vocab) or above; a short healthy run (or TF32 rounding on a GPU) moves its
+    probe loss by hundredths of a nat, up or down. Judged from its own start, that is not a collapse, even though
+    the loss is above both the start and the uniform guess (which the rule `loss >= ln V and loss > start` flagged)."""
+    from pose_mlx.training.loop import check_not_collapsed, probe_loss
+
+    model, probe = _random_model_and_probe()
+    start = probe_loss(model, probe, _positions)
+    assert start >= math.log(97)  # a random model: no better than the guess (random logits put it a little above)
+    for moved in (-0.05, 0.0, 0.05):  # the same model judged against a start slightly above or below its loss now
+        check_not_collapsed(model, probe, _positions, before=start - moved, step=8)
+
+
+def test_real_collapses_are_caught():
+    """Loss exploding against the start, a non-finite loss, a pre-trained model fallen back to the guess, and
+    logits blind to the input are all `Collapsed`."""
+    from pose_mlx.training.loop import Collapsed, check_not_collapsed, probe_loss
+
+    model, probe = _random_model_and_probe()
+    start = probe_loss(model, probe, _positions)
+    with pytest.raises(Collapsed, match="far above where it started"):  # a model at the guess that blew up
+        head = model.lm_head if hasattr(model, "lm_head") else model.model.embed_tokens
+        saved = head.weight
+        head.weight = saved * 30
+        check_not_collapsed(model, probe, _positions, before=start, step=3)
+    head.weight = saved
+    with pytest.raises(Collapsed, match="no better than a uniform guess"):  # it had learned (start 1.5), now at u
+        check_not_collapsed(model, probe, _positions, before=1.5, step=3)
+    with pytest.raises(Collapsed, match="whatever its input"):  # finite, normal-sized loss, but input-blind
+        blind = model.model.norm.weight
+        model.model.norm.weight = mx.zeros_like(blind)
+        check_not_collapsed(model, probe, _positions, before=start, step=3)
+    model.model.norm.weight = blind
+    layer = model.model.layers[0].mlp.down_proj
+    layer.weight = mx.full(layer.weight.shape, float("nan"))
+    with pytest.raises(Collapsed, match="to nan"):
+        check_not_collapsed(model, probe, _positions, before=start, step=3)

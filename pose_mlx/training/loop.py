@@ -9,8 +9,10 @@
   `steps`.
 - Checkpoints every `save_every` steps and when SIGINT/SIGTERM arrive (then `Interrupted` is raised). The loss
   and gradient norm are checked every step and the weights before every checkpoint: the first non-finite value
-  raises `NonFinite`, naming the step, and the last finite checkpoint is kept. A model whose held-out loss is no
-  better than a uniform guess, or whose outputs no longer depend on its input, is `Collapsed` (never exported).
+  raises `NonFinite`, naming the step, and the last finite checkpoint is kept. A model whose held-out loss ends
+  non-finite or at `collapse_ceiling` of its loss before training (back at the uniform guess for a model that knew
+  something; well above its start for one that began at the guess), or whose outputs no longer depend on its
+  input, is `Collapsed` (never exported).
 - log.jsonl: one JSON object per line (non-finite numbers written as null), each line written whole; a torn
   last line left by a kill is dropped on --resume.
 - `compile=True` (default) runs the micro-batch gradients and the clip + AdamW update as two `mx.compile`d
@@ -397,10 +399,34 @@ def probe_loss(model: nn.Module, batch, at_positions: Callable) -> float:
     return float(loss.item())
 
 
+#: How far (a fraction of the uniform guess's loss ln V) a loss may end above where it started, for a model that
+#: began no better than guessing, before training counts as having destroyed it (noise of a short run on a random
+#: model, and float32 matmuls run as TF32 on a GPU, move its loss by hundredths of a nat).
+COLLAPSE_MARGIN = 0.1
+
+
+def collapse_ceiling(before: float, vocab: int) -> float:
+    """The highest probe loss a trained model may have and not count as collapsed, from its own loss `before`
+    training and the uniform guess u = ln(vocab), with margin m = COLLAPSE_MARGIN * u:
+
+        u                 if before < u - m   (the model knew something: back at the guess, it has lost it all)
+        max(before, u) + m  otherwise          (it began no better than guessing: only a loss well above where it
+                                                began, or above the guess, means training broke it)
+
+    A non-finite `before` leaves no reference: the ceiling is then u."""
+    uniform = math.log(vocab)
+    margin = COLLAPSE_MARGIN * uniform
+    if not math.isfinite(before) or before < uniform - margin:
+        return uniform
+    return max(before, uniform) + margin
+
+
 def check_not_collapsed(model: nn.Module, batch, at_positions: Callable, before: float, step: int) -> None:
-    """Collapsed when training left the model's loss on `batch` (text it should predict) at least that of a
-    uniform guess, ln(vocabulary), and above its loss `before` training; or when its logits no longer depend on the
-    input (every position of every row gives the same distribution, to 1e-4 of the logits' scale)."""
+    """Collapsed when training left the model's loss on `batch` (text it should predict) non-finite or at least
+    `collapse_ceiling(before, vocabulary)` (decided from the model's own loss `before` training, so a tiny random
+    model that starts at the uniform guess and moves by noise is not flagged, while a pre-trained one that falls
+    back to the guess is); or when its logits no longer depend on the input (every position of every row gives the
+    same distribution, to 1e-4 of the logits' scale)."""
     with at_positions(model, batch.positions):
         logits = model(mx.array(batch.inputs)).astype(mx.float32)
     mask = mx.array(batch.mask)
@@ -410,15 +436,18 @@ def check_not_collapsed(model: nn.Module, batch, at_positions: Callable, before:
     spread = float(mx.max(mx.abs(flat - flat[:1])).item())
     scale = float(mx.max(mx.abs(flat)).item())
     uniform = math.log(logits.shape[-1])
-    if not math.isfinite(loss) or (loss >= uniform and loss > before):
+    ceiling = collapse_ceiling(before, logits.shape[-1])
+    if not math.isfinite(loss) or loss >= ceiling:
+        judged = (f"no better than a uniform guess ({uniform:.3f})" if ceiling == uniform else
+                  f"far above where it started (the limit is {ceiling:.3f}: the uniform guess {uniform:.3f} or the "
+                  f"start, whichever is higher, plus {COLLAPSE_MARGIN:.0%} of the guess)")
         raise Collapsed(f"training collapsed by step {step}: the loss on real text went from {before:.3f} to "
-                        f"{loss:.3f}, no better than a uniform guess ({uniform:.3f}); nothing was exported (start "
-                        "over with a lower --lr and --overwrite)")
+                        f"{loss:.3f}, {judged}; nothing was exported (start over with a lower --lr and --overwrite)")
     if spread <= 1e-4 * max(scale, 1.0):
         raise Collapsed(f"training collapsed by step {step}: the model gives the same output whatever its input; "
                         "nothing was exported (start over with a lower --lr and --overwrite)")
 
 
-__all__ = ["Collapsed", "Interrupted", "NonFinite", "TrainConfig", "UpdateResult", "append_log", "check_not_collapsed",
-           "evaluate", "learning_rate_schedule", "make_optimizer", "make_update", "masked_loss", "probe_loss",
-           "read_log", "token_sum_loss", "train", "truncate_log"]
+__all__ = ["COLLAPSE_MARGIN", "Collapsed", "Interrupted", "NonFinite", "TrainConfig", "UpdateResult", "append_log",
+           "check_not_collapsed", "collapse_ceiling", "evaluate", "learning_rate_schedule", "make_optimizer",
+           "make_update", "masked_loss", "probe_loss", "read_log", "token_sum_loss", "train", "truncate_log"]
