@@ -1,8 +1,25 @@
-"""Shared fixtures: tiny random mlx-lm models of several families, built offline."""
+"""Shared fixtures: tiny random mlx-lm models of several families, built offline; the suite's precision and
+backend settings.
 
-import pytest
+float32 means float32 on every backend: MLX runs float32 matrix products as TF32 by default where the hardware
+has it (cuBLAS GEMMs and convolutions on CUDA, the Neural Accelerators of M5-class Metal GPUs), a 10-bit mantissa
+(relative error ~1e-3 per product), and no float32 comparison of the suite (1e-4 to 1e-6) survives that. MLX's
+switch is the environment variable MLX_ENABLE_TF32 (default 1; read once, at MLX's first matrix product, so it
+must be set before any test runs one): it is set to 0 here, before anything imports MLX, and the subprocesses
+the tests start inherit it. On the CPU backend it changes nothing. Comparisons of float16/bfloat16 results take
+their dtype's precision from `_precision`.
 
-from pose_mlx.model.source import build_model as _build
+`cpu_only(reason)` marks a test that exercises something only the CPU backend has (the NumPy attention of
+`pose_mlx.cpu_attention`, memory measured on the CPU's allocator): it is skipped on Metal and CUDA, with the reason.
+"""
+
+import os
+
+os.environ["MLX_ENABLE_TF32"] = "0"  # before MLX is imported; see the module docstring
+
+import pytest  # noqa: E402
+
+from pose_mlx.model.source import build_model as _build  # noqa: E402
 
 VOCAB = 97
 
@@ -31,6 +48,18 @@ FAMILY_CONFIGS = {
     "cohere": dict(hidden_size=32, num_hidden_layers=2, intermediate_size=48, num_attention_heads=4,
                    num_key_value_heads=2, rope_theta=800.0, vocab_size=VOCAB),
 }
+
+
+def on_cpu() -> bool:
+    """Whether MLX's default device is the CPU (where the suite's CPU-only tests run)."""
+    import mlx.core as mx
+
+    return mx.default_device().type == mx.DeviceType.cpu
+
+
+def cpu_only(reason: str):
+    """Skip the test unless MLX's default device is the CPU; `reason` says what only the CPU backend has."""
+    return pytest.mark.skipif(not on_cpu(), reason=f"CPU backend only: {reason}")
 
 
 def build_model(model_type: str, seed: int = 0, **overrides):
