@@ -27,7 +27,7 @@ from .errors import ArgumentParser, UserError
 from .training.positions import CONTENT
 from .rope import SCHEDULES, scaled_inv_freq, schedule_parameters
 
-RUN_SAMPLERS = ("pose", "pose-ref", "randpos", "full", "plain", "none")
+RUN_SAMPLERS = ("pose", "pose-ref", "pose-middle", "randpos", "full", "plain", "none")
 RUN_FILE = "run.json"
 #: Settings that may differ between a run and its --resume without changing what the run computes.
 ADJUSTABLE = ("steps", "progress", "save_every", "cache_dir", "max_memory", "force")
@@ -99,7 +99,10 @@ _HELP = {
                 "as in the paper)",
     "schedule_params": "schedule parameter KEY=VALUE, repeatable, e.g. beta_fast=32, blend=wavelength, beta=500000 "
                        "(the keys of each schedule are listed below)",
-    "sampler": "how position ids are drawn: pose (the paper), pose-ref (the authors' code), randpos, full "
+    "sampler": "how position ids are drawn: pose (the paper), pose-ref (the authors' code), pose-middle (CREAM-style: "
+               "head at 0, tail at the end of the target window, middle placed by a truncated Gaussian around the "
+               "middle; trains both ends and the middle distances more, the other distances less than pose), "
+               "randpos, full "
                "(full-length fine-tuning at the target), plain (ordinary fine-tuning: positions 0..window-1 with the "
                "original RoPE, the --schedule applied only at export; the control that gets PoSE's adaptation "
                "without its positions), none (schedule only: extend and export, no training)",

@@ -490,7 +490,7 @@ def collate(examples: list[tuple[np.ndarray, np.ndarray, np.ndarray]], docs, pad
 def required_length(window: int, target: int, sampler: str, content: str) -> int:
     """Fewest document tokens ``sample_example`` accepts: target for 'full' and for PoSE with 'aligned'
     content, else window."""
-    if sampler == "full" or (content == "aligned" and sampler in ("pose", "pose-ref")):
+    if sampler == "full" or (content == "aligned" and sampler in ("pose", "pose-ref", "pose-middle")):
         return target
     return window
 
