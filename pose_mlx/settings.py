@@ -98,7 +98,9 @@ _HELP = {
     "schedule": f"RoPE frequency schedule: {', '.join(SCHEDULES)} (default linear = Position Interpolation, "
                 "as in the paper)",
     "schedule_params": "schedule parameter KEY=VALUE, repeatable, e.g. beta_fast=32, blend=wavelength, beta=500000 "
-                       "(the keys of each schedule are listed below)",
+                       "(the keys of each schedule are listed below); --schedule yarn with attention_factor=1 keeps "
+                       "YaRN's frequencies without its attention temperature (kept in-window retrieval where full "
+                       "YaRN lost it; may cost perplexity on long inputs)",
     "sampler": "how position ids are drawn: pose (the paper), pose-ref (the authors' code), pose-middle (CREAM-style: "
                "head at 0, tail at the end of the target window, middle placed by a truncated Gaussian around the "
                "middle; trains both ends and the middle distances more, the other distances less than pose), "

@@ -218,7 +218,7 @@ def test_a_mixed_window_run_trains_marked_rows_and_exports_the_schedule(tiny_mod
         for row in np.flatnonzero(short):
             np.testing.assert_array_equal(ids[row], np.arange(15))
     record = json.loads((out / "pose_mlx.json").read_text())
-    assert record["schedule"]["schedule"] == "yarn"
+    assert record["schedule"]["schedule"] == "yarn" and record["short_share"] == 0.5
     config = json.loads((out / "config.json").read_text())
     assert config["rope_scaling"]["rope_type"] == "yarn" and config["rope_scaling"]["factor"] == 8.0
 
