@@ -247,3 +247,34 @@ def test_yarn_frequencies_only_keeps_the_frequencies_and_drops_the_temperature(t
     ids = mx.array([list(range(5, 5 + 3 * ORIGINAL))])
     loaded, _ = load(str(tmp_path / "out"))
     np.testing.assert_allclose(np.array(loaded(ids)), np.array(model(ids)), atol=1e-4, rtol=0)
+
+
+def test_a_stopped_mixed_window_run_resumes_with_identical_losses(tiny_model, text_dir, tmp_path):
+    """SIGTERM mid-run, then --resume: the per-step losses equal an uninterrupted run's (<= 1e-5), so the resumed
+    stream continued the same short/long marks and the same draws (the real CLI in subprocesses)."""
+    import os
+    import signal
+    import subprocess
+
+    from _finetune_helpers import read_log
+    from test_finetune_resume import STEPS, _cmd, _wait_for_steps
+
+    mixed = ("--short-share", "0.5", "--schedule", "yarn")
+    ref = tmp_path / "ref" / "out"
+    subprocess.run(_cmd(tiny_model, text_dir, ref, tmp_path / "cache", *mixed), check=True, capture_output=True)
+    reference = [r["loss"] for r in read_log(ref / "train_log.jsonl")]
+    out = tmp_path / "out"
+    log = tmp_path / "out.partial" / "log.jsonl"
+    proc = subprocess.Popen(_cmd(tiny_model, text_dir, out, tmp_path / "cache", *mixed), stderr=subprocess.PIPE,
+                            text=True)
+    _wait_for_steps(proc, log, 10)
+    os.kill(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM, proc.stderr.read()
+    assert 10 <= len(read_log(log)) < STEPS, "the stop did not land mid-run"
+    done = subprocess.run(_cmd(tiny_model, text_dir, out, tmp_path / "cache", "--resume"), capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr
+    losses = [r["loss"] for r in read_log(out / "train_log.jsonl")]
+    assert len(losses) == STEPS
+    np.testing.assert_allclose(losses, reference, atol=1e-5, rtol=0)
+    assert json.loads((out / "pose_mlx.json").read_text())["short_share"] == 0.5

@@ -177,7 +177,8 @@ def _middle_layout(window: int, target: int, rng: np.random.Generator):
     mu = (1 + s) / 2, sigma = ``MIDDLE_SIGMA``: u lies in [0, Lt - Lc] with mean (Lt - Lc) / 2 (the law is
     symmetric about mu), so the middle chunk sits around the middle of the target window more often than under
     PoSE's uniform bias, and the distances from the head to the middle and from the middle to the tail, both
-    near Lt / 2, are trained more. Returns (lengths [k, m, k], biases [0, u, Lt - Lc])."""
+    near Lt / 2, are trained more. k = floor(Lc / 3) and sigma are fixed choices of this implementation.
+    Returns (lengths [k, m, k], biases [0, u, Lt - Lc])."""
     if window < 3:
         raise ValueError(f"window must be >= 3 for sampler='pose-middle' (head, middle and tail), got {window}")
     head = window // 3
