@@ -278,3 +278,15 @@ def test_a_stopped_mixed_window_run_resumes_with_identical_losses(tiny_model, te
     assert len(losses) == STEPS
     np.testing.assert_allclose(losses, reference, atol=1e-5, rtol=0)
     assert json.loads((out / "pose_mlx.json").read_text())["short_share"] == 0.5
+
+
+def test_data_parallel_ranks_split_the_marks_of_the_single_stream(tmp_path):
+    """With 2 ranks each keeps its half of the rows the single stream with the doubled batch draws, marks included."""
+    corpus = _corpus(tmp_path)
+    single = ExampleStream(corpus, 16, 128, batch_size=4, seed=5, short_share=0.5)
+    ranks = [ExampleStream(corpus, 16, 128, batch_size=2, seed=5, short_share=0.5, rank=r, world=2)
+             for r in range(2)]
+    for _ in range(5):
+        whole, parts = single.next_batch(), [r.next_batch() for r in ranks]
+        for name in ("inputs", "positions", "short"):
+            np.testing.assert_array_equal(np.concatenate([getattr(p, name) for p in parts]), getattr(whole, name))
