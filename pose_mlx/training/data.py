@@ -499,9 +499,9 @@ class ExampleStream:
     """An endless, seeded stream of ``Batch``es: each example draws a document uniformly at random among those
     long enough (``required_length``), then positions and content with ``pose_mlx.training.positions.sample_example``.
 
-    All randomness comes from one ``np.random.Generator`` seeded with ``seed``; ``state_dict()`` /
-    ``load_state_dict()`` save and restore it, so a resumed stream yields exactly the batches the original
-    would have. Every target counts, including the first token of a later chunk, predicted across the position
+    All randomness comes from one ``np.random.Generator`` seeded with ``seed`` (and, with ``short_share``, a
+    second one for the row marks, below); ``state_dict()`` / ``load_state_dict()`` save and restore them, so a
+    resumed stream yields exactly the batches the original would have. Every target counts, including the first token of a later chunk, predicted across the position
     skip, as in the paper and the authors' code.
 
     Data-parallel shards: with ``world`` W > 1 each batch draws W * ``batch_size`` examples (the draws a
