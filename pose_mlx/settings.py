@@ -114,7 +114,7 @@ _HELP = {
                    "read positions 0..window-1 with the model's original RoPE (attention factor 1), the rest come "
                    "from --sampler with the --schedule; meant to keep short-context skills. Costs: only 1 - F of "
                    "the tokens train the long positions (raise --steps by 1/(1 - F) for the same long-context "
-                   "training); memory and step time unchanged; the exported model uses the schedule everywhere",
+                   "training); the same memory (same row length); the exported model uses the schedule everywhere",
     "lora_rank": "LoRA rank r (default 8)",
     "lora_layers": "LoRA in the last N transformer blocks (default -1: all)",
     "lora_scale": "LoRA output scale (mlx-lm's 'scale', default 20)",
