@@ -97,6 +97,8 @@ def make_plan(invocation: Invocation) -> RunPlan:
         raise UserError(f"--window {window} must be at most the target {target}")
     if s.sampler in ("pose", "pose-ref") and s.chunks > window:
         raise UserError(f"--chunks {s.chunks} must be at most the window {window} (each chunk holds a token)")
+    if s.sampler == "pose-middle" and window < 3:
+        raise UserError(f"--sampler pose-middle needs a window of at least 3 tokens (head, middle, tail), got {window}")
     lora = None if s.full or s.sampler == "none" else _lora_spec(s, config)
     memory.check_run(config, s, window, target)
     label = Path(s.model.rstrip("/")).name.removesuffix(".gguf")  # the alias, the repo's or the folder's name

@@ -27,7 +27,7 @@ from .errors import ArgumentParser, UserError
 from .training.positions import CONTENT
 from .rope import SCHEDULES, scaled_inv_freq, schedule_parameters
 
-RUN_SAMPLERS = ("pose", "pose-ref", "randpos", "full", "plain", "none")
+RUN_SAMPLERS = ("pose", "pose-ref", "pose-middle", "randpos", "full", "plain", "none")
 RUN_FILE = "run.json"
 #: Settings that may differ between a run and its --resume without changing what the run computes.
 ADJUSTABLE = ("steps", "progress", "save_every", "cache_dir", "max_memory", "force")
@@ -46,6 +46,7 @@ class RunSettings:
     sampler: str = "pose"
     chunks: int = 2
     content: str = "uniform"
+    short_share: float = 0.0
     full: bool = False
     lora_rank: int = 8
     lora_layers: int = -1
@@ -97,13 +98,23 @@ _HELP = {
     "schedule": f"RoPE frequency schedule: {', '.join(SCHEDULES)} (default linear = Position Interpolation, "
                 "as in the paper)",
     "schedule_params": "schedule parameter KEY=VALUE, repeatable, e.g. beta_fast=32, blend=wavelength, beta=500000 "
-                       "(the keys of each schedule are listed below)",
-    "sampler": "how position ids are drawn: pose (the paper), pose-ref (the authors' code), randpos, full "
+                       "(the keys of each schedule are listed below); --schedule yarn with attention_factor=1 keeps "
+                       "YaRN's frequencies without its attention temperature (kept in-window retrieval where full "
+                       "YaRN lost it; may cost perplexity on long inputs)",
+    "sampler": "how position ids are drawn: pose (the paper), pose-ref (the authors' code), pose-middle (CREAM-style: "
+               "head at 0, tail at the end of the target window, middle placed by a truncated Gaussian around the "
+               "middle; trains both ends and the middle distances more, the other distances less than pose), "
+               "randpos, full "
                "(full-length fine-tuning at the target), plain (ordinary fine-tuning: positions 0..window-1 with the "
                "original RoPE, the --schedule applied only at export; the control that gets PoSE's adaptation "
                "without its positions), none (schedule only: extend and export, no training)",
     "chunks": "number of PoSE chunks N (default 2)",
     "content": "PoSE content offsets v_i: uniform (paper), zero (v_i = 0), aligned (v_i = u_i)",
+    "short_share": "mixed-window training (LongRoPE2): this fraction F of the training rows (0 <= F < 1, default 0) "
+                   "read positions 0..window-1 with the model's original RoPE (attention factor 1), the rest come "
+                   "from --sampler with the --schedule; meant to keep short-context skills. Costs: only 1 - F of "
+                   "the tokens train the long positions (raise --steps by 1/(1 - F) for the same long-context "
+                   "training); the same memory (same row length); the exported model uses the schedule everywhere",
     "lora_rank": "LoRA rank r (default 8)",
     "lora_layers": "LoRA in the last N transformer blocks (default -1: all)",
     "lora_scale": "LoRA output scale (mlx-lm's 'scale', default 20)",
@@ -167,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--sampler", help=_HELP["sampler"])
     a("--chunks", type=int, help=_HELP["chunks"])
     a("--content", help=_HELP["content"])
+    a("--short-share", type=float, metavar="F", help=_HELP["short_share"])
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--lora", dest="full", action="store_false", help="train LoRA adapters (default; works on "
                                                                          "quantized bases)")
@@ -486,6 +498,11 @@ def validate(s: RunSettings) -> None:
         raise UserError(f"--sampler {s.sampler!r} is not one of {', '.join(RUN_SAMPLERS)}")
     if s.content not in CONTENT:
         raise UserError(f"--content {s.content!r} is not one of {', '.join(CONTENT)}")
+    if not 0 <= s.short_share < 1:
+        raise UserError(f"--short-share must be a fraction in [0, 1), got {s.short_share!r}")
+    if s.short_share and s.sampler in ("full", "plain", "none"):
+        raise UserError(f"--short-share mixes short rows into a sampler that skips positions; --sampler "
+                        f"{s.sampler} has none to mix with")
     if s.schedule not in SCHEDULES:
         close = difflib.get_close_matches(s.schedule, SCHEDULES, n=1)
         raise UserError(f"--schedule {s.schedule!r} is not a known schedule"

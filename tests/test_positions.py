@@ -18,10 +18,12 @@ from hypothesis import strategies as st
 
 from pose_mlx.training.positions import (
     CONTENT,
+    MIDDLE_SIGMA,
     SAMPLERS,
     pose_position_ids,
     randpos_position_ids,
     sample_example,
+    truncated_normal,
 )
 
 PROPERTY = settings(max_examples=150, deadline=None)
@@ -287,7 +289,102 @@ def test_randpos_distribution():
     (lambda: sample_example(9, 5, 8, sampler="randpos", content="aligned"), "content"),
     (lambda: sample_example(9, 5, 4, sampler="contiguous"), "target"),
     (lambda: sample_example(9, 5, 8).gather(np.arange(8)), "tokens"),
+    (lambda: sample_example(9, 2, 8, sampler="pose-middle"), "window"),
+    (lambda: sample_example(7, 5, 8, sampler="pose-middle", content="aligned"), "doc_length"),
 ])
 def test_bad_arguments_name_the_argument(call, name):
     with pytest.raises(ValueError, match=name):
         call()
+
+
+# ---------------------------------------------------------------- pose-middle (after CREAM, arXiv 2406.07138)
+
+
+def _phi(x: float) -> float:
+    """Standard normal CDF, written from erf."""
+    return 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
+
+
+def _middle_bias_cdf(j: int, window: int, target: int) -> float:
+    """P(u <= j) for u = round((alpha - 1) * Lc), alpha ~ N(mu, sigma^2) truncated to [1, s], s = Lt / Lc,
+    mu = (1 + s) / 2: the truncated normal's CDF at alpha = 1 + (j + 1/2) / Lc."""
+    s = target / window
+    mu, sigma = (1 + s) / 2, MIDDLE_SIGMA
+    a, b = _phi((1 - mu) / sigma), _phi((s - mu) / sigma)
+    x = min(1 + (j + 0.5) / window, s)
+    return (_phi((x - mu) / sigma) - a) / (b - a)
+
+
+@PROPERTY
+@given(st.integers(3, 40), st.integers(0, 300), st.integers(0, 2**32 - 1), st.sampled_from(CONTENT),
+       st.integers(0, 50))
+def test_pose_middle_layout(window, room, seed, content, extra):
+    """Head k = floor(Lc / 3) at 0 .. k - 1, tail at Lt - k .. Lt - 1, a contiguous middle of Lc - 2k tokens at
+    bias u in [0, Lt - Lc]; the document spans follow eq. (5) as for PoSE; one seed, one layout."""
+    target = window + room
+    doc_length = target + extra
+    ex = sample_example(doc_length, window, target, "pose-middle", content=content, rng=seed)
+    k = window // 3
+    ids = ex.position_ids
+    np.testing.assert_array_equal(ids[:k], np.arange(k))
+    np.testing.assert_array_equal(ids[window - k:], np.arange(target - k, target))
+    middle = ids[k:window - k]
+    u = middle[0] - k
+    assert 0 <= u <= target - window
+    np.testing.assert_array_equal(middle, np.arange(k + u, window - k + u))
+    lengths, _, biases, offsets = decompose(ex)
+    assert lengths.tolist() == [k, window - 2 * k, k] and biases.tolist() == [0, u, target - window]
+    if content == "aligned":
+        np.testing.assert_array_equal(offsets, biases)
+    assert (offsets >= 0).all() and (offsets <= doc_length - window).all() and (np.diff(offsets) >= 0).all()
+    again = sample_example(doc_length, window, target, "pose-middle", content=content, rng=seed)
+    np.testing.assert_array_equal(again.position_ids, ids)
+    assert again.spans == ex.spans
+
+
+@pytest.mark.parametrize("window,target", [(32, 256), (16, 1024)])
+def test_pose_middle_bias_follows_the_truncated_gaussian(window, target):
+    """20,000 middle biases u: support in [0, Lt - Lc], the mean (Lt - Lc) / 2 of the symmetric truncated law
+    (within 4 standard errors), and the empirical CDF of u within 0.015 of the formula everywhere (the
+    Kolmogorov-Smirnov 99.9% band for n = 20,000 is 0.0138)."""
+    rng = np.random.default_rng(0)
+    n = 20_000
+    k = window // 3
+    u = np.array([sample_example(target, window, target, "pose-middle", rng=rng).position_ids[k] - k
+                  for _ in range(n)])
+    room = target - window
+    assert u.min() >= 0 and u.max() <= room
+    assert abs(u.mean() - room / 2) < 4 * u.std() / math.sqrt(n)
+    values = np.arange(room + 1)
+    empirical = np.searchsorted(np.sort(u), values, side="right") / n
+    formula = np.array([_middle_bias_cdf(j, window, target) for j in values])
+    assert np.abs(empirical - formula).max() < 0.015
+
+
+def test_pose_middle_trains_the_middle_more_than_pose():
+    """At s = 64 (sigma = 3 against a range of 63) the middle chunk's start falls in the middle third of
+    [0, Lt - Lc] far more often than PoSE's uniform u_1 does (formula: 0.9995 against 1/3)."""
+    window, target = 30, 64 * 30
+    room = target - window
+    rng = np.random.default_rng(1)
+    u = np.array([sample_example(target, window, target, "pose-middle", rng=rng).position_ids[10] - 10
+                  for _ in range(2000)])
+    inside = ((u >= room / 3) & (u <= 2 * room / 3)).mean()
+    s = target / window
+    mu = (1 + s) / 2
+    z = (s - 1) / 6 / MIDDLE_SIGMA  # the middle third is mu -+ (s - 1) / 6 in alpha
+    want = (2 * _phi(z) - 1) / (2 * _phi((s - 1) / 2 / MIDDLE_SIGMA) - 1)
+    assert abs(inside - want) < 0.01 and want > 0.99 and mu == 32.5
+
+
+def test_pose_middle_without_room_is_contiguous_and_truncated_normal_respects_its_bounds():
+    np.testing.assert_array_equal(sample_example(20, 12, 12, "pose-middle", rng=3).position_ids, np.arange(12))
+    rng = np.random.default_rng(2)
+    draws = [truncated_normal(0.0, 1.0, 2.0, 2.5, rng) for _ in range(500)]  # deep in the tail
+    assert min(draws) >= 2.0 and max(draws) <= 2.5
+    # the tail's density decreases: more mass in [2, 2.25] than in [2.25, 2.5] (ratio ~ 1.75)
+    low = sum(d <= 2.25 for d in draws)
+    assert low > 500 - low
+    assert truncated_normal(5.0, 1.0, 3.0, 3.0, rng) == 3.0
+    with pytest.raises(ValueError, match="sigma"):
+        truncated_normal(0.0, 0.0, 0.0, 1.0, rng)

@@ -223,7 +223,7 @@ def export_run(model: nn.Module, extension: Extension, plan, summary: dict) -> P
     if not plan.world.is_main:
         return plan.output
     record = {"sampler": s.sampler, "original": plan.original, "target": plan.target, "window": plan.window,
-              "chunks": s.chunks, "content": s.content, "source_model": s.model,
+              "chunks": s.chunks, "content": s.content, "short_share": s.short_share, "source_model": s.model,
               **{k: summary.get(k) for k in ("steps", "final_loss", "eval_loss", "data_fingerprint",
                                              "tokens_per_step", "training", "lr", "seed")}}
     record["steps"] = record["steps"] or 0

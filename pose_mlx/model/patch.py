@@ -9,8 +9,10 @@ able to rotate token t by an arbitrary position p_t instead of (cache offset + t
   `use_positions(model, ids)` it rotates token t by ids[..., t] (cos/sin built from ids * inv_freq).
 - `extend(model, schedule, original, target, **params)`: swaps every RoPE layer in place and returns the
   `Extension` record of what it did, layer by layer (the exporter writes the config from it).
-- `use_positions(model, position_ids)`: context manager; the ids stay set for the forward *and* the
-  backward pass (needed with gradient checkpointing, which re-runs the forward during backward).
+- `use_positions(model, position_ids, original_rows=None)`: context manager; the ids stay set for the forward
+  *and* the backward pass (needed with gradient checkpointing, which re-runs the forward during backward);
+  `original_rows` (B,) marks the rows that rotate with the model's original frequencies and attention factor 1
+  (mixed-window training, `--short-share`).
 - `use_length(model, n)`: dynamic NTK sets its base from the length of the whole sequence being read (n), as
   one forward pass over it would, however the sequence is split into prefill chunks.
 """
@@ -40,12 +42,14 @@ BASE_KEYS = ("rope_theta", "rope_local_base_freq", "rotary_emb_base", "rope_base
 
 class _Holder:
     """Plain (non-Module, non-array) holder shared by a model's RoPE layers, so MLX never treats its contents as
-    parameters: the explicit position ids (or None) and the declared sequence length for dynamic NTK (or None)."""
+    parameters: the explicit position ids (or None), the per-row selector of the original frequencies (bool (B,)
+    or None) and the declared sequence length for dynamic NTK (or None)."""
 
-    __slots__ = ("positions", "length")
+    __slots__ = ("positions", "original", "length")
 
     def __init__(self):
         self.positions = None
+        self.original = None
         self.length = None
 
 
@@ -89,7 +93,9 @@ class PositionRoPE(nn.Module):
 
     angle(t, i) = p_t * inv_freq[i]; the first `dims` features of x (B, H, L, D) are rotated, in the
     interleaved (`traditional=True`: pairs 2i, 2i+1) or half-split (pairs i, i + dims/2) layout, after
-    multiplying them by `attention_factor` (YaRN's mscale, applied to both q and k).
+    multiplying them by `attention_factor` (YaRN's mscale, applied to both q and k). With explicit positions and
+    a row selector set (`use_positions(..., original_rows=)`), a selected row b uses angle(t, i) =
+    p_{b,t} * original_inv_freq[i] and attention factor 1 instead: the model's own RoPE.
     """
 
     def __init__(
@@ -100,6 +106,7 @@ class PositionRoPE(nn.Module):
         attention_factor: float = 1.0,
         holder: _Holder | None = None,
         dynamic: dict | None = None,
+        original_inv_freq: np.ndarray | None = None,
     ):
         super().__init__()
         if dims % 2 or len(inv_freq) != dims // 2:
@@ -109,6 +116,10 @@ class PositionRoPE(nn.Module):
         self.attention_factor = float(attention_factor)
         self._inv_freq = mx.array(np.asarray(inv_freq, dtype=np.float32))
         self._freqs = mx.array((1.0 / np.asarray(inv_freq, dtype=np.float64)).astype(np.float32))
+        original = inv_freq if original_inv_freq is None else original_inv_freq
+        if len(original) != dims // 2:
+            raise ValueError(f"original_inv_freq has {len(original)} entries, expected {dims // 2}")
+        self._original_inv_freq = mx.array(np.asarray(original, dtype=np.float32))
         self._holder = holder or _Holder()
         self._dynamic = dynamic  # {"base", "factor", "original"} for dynamic NTK at inference
 
@@ -116,9 +127,11 @@ class PositionRoPE(nn.Module):
         return f"{self.dims}, traditional={self.traditional}, attention_factor={self.attention_factor:.4f}"
 
     def __call__(self, x: mx.array, offset=0) -> mx.array:
+        positions, original = self._holder.positions, self._holder.original
+        if positions is not None and original is not None:
+            return self._rotate_mixed(x, positions, original)
         if self.attention_factor != 1.0:
             x = x.at[..., : self.dims].multiply(self.attention_factor)
-        positions = self._holder.positions
         if positions is not None:
             return self._rotate_at(x, positions)
         if self._dynamic is not None:
@@ -136,12 +149,26 @@ class PositionRoPE(nn.Module):
                                 self._dynamic["original"], length)
         return mx.fast.rope(x, self.dims, traditional=self.traditional, base=base, scale=1.0, offset=offset)
 
-    def _rotate_at(self, x: mx.array, positions: mx.array) -> mx.array:
-        """Rotate token t of x (B, H, L, D) by positions[..., t]; positions is (L,) or (B, L)."""
+    def _rotate_mixed(self, x: mx.array, positions: mx.array, original: mx.array) -> mx.array:
+        """Rows b with original[b] rotate by the original frequencies with attention factor 1, the others by the
+        scheduled ones after the attention factor; positions must be (B, L) and original (B,)."""
+        if positions.ndim != 2 or original.shape != (x.shape[0],):
+            raise ValueError(f"a row selector of shape {tuple(original.shape)} needs (B, L) position ids and one "
+                             f"entry per row of the input (B={x.shape[0]}), got ids of shape {tuple(positions.shape)}")
+        rows = original[:, None, None]  # (B, 1, 1) against (B, L, d/2)
+        if self.attention_factor != 1.0:
+            scale = mx.where(original, 1.0, self.attention_factor).astype(x.dtype)[:, None, None, None]
+            x = mx.concatenate([x[..., : self.dims] * scale, x[..., self.dims:]], axis=-1)
+        return self._rotate_at(x, positions, mx.where(rows, self._original_inv_freq, self._inv_freq))
+
+    def _rotate_at(self, x: mx.array, positions: mx.array, inv_freq: mx.array | None = None) -> mx.array:
+        """Rotate token t of x (B, H, L, D) by positions[..., t] * inv_freq (default: the scheduled inverse
+        frequencies); positions is (L,) or (B, L), inv_freq (d/2,) or per row (B, 1, d/2)."""
         length = x.shape[-2]
         if positions.shape[-1] != length:
             raise ValueError(f"position ids cover {positions.shape[-1]} tokens but the input has {length}")
-        angles = positions.astype(mx.float32)[..., None] * self._inv_freq  # (L, d/2) or (B, L, d/2)
+        inv_freq = self._inv_freq if inv_freq is None else inv_freq
+        angles = positions.astype(mx.float32)[..., None] * inv_freq  # (L, d/2) or (B, L, d/2)
         if angles.ndim == 3:
             angles = angles[:, None]  # broadcast over heads
         cos, sin = mx.cos(angles), mx.sin(angles)
@@ -275,7 +302,8 @@ def _install(model: nn.Module, layers: list, schedule: str, original: int, targe
         except ValueError as error:
             raise UserError(f"--schedule {schedule}: {error}") from None
         dynamic = {"base": base, "factor": factor, "original": original} if schedule == "dynamic" else None
-        _set_child(model, path, PositionRoPE(dims, inv_freq, traditional, attention_factor, holder, dynamic))
+        _set_child(model, path, PositionRoPE(dims, inv_freq, traditional, attention_factor, holder, dynamic,
+                                             original_inv_freq=rope_inv_freq(dims, base)))
         record.layers.append(RopeLayer(path, base, _config_key(model, base), dims, traditional,
                                        [float(f) for f in inv_freq],
                                        [float(f) for f in rope_inv_freq(dims, base) / inv_freq],
@@ -303,22 +331,31 @@ def _holders(model: nn.Module, required: bool = True) -> list:
 
 
 @contextlib.contextmanager
-def use_positions(model: nn.Module, position_ids) -> Iterator[None]:
+def use_positions(model: nn.Module, position_ids, original_rows=None) -> Iterator[None]:
     """Within the block, every `PositionRoPE` of `model` rotates token t by position_ids[..., t].
 
-    Wrap the whole forward + backward (e.g. the `value_and_grad` call), not just the loss: gradient
+    `original_rows` (bool, shape (B,), with position_ids of shape (B, L)) marks the rows that rotate with the
+    model's original frequencies and attention factor 1 (mixed-window training); None: every row uses the
+    schedule. Wrap the whole forward + backward (e.g. the `value_and_grad` call), not just the loss: gradient
     checkpointing recomputes the forward during the backward pass and must see the same positions.
     """
     holders = _holders(model)
     ids = _as_position_array(position_ids)
-    previous = [(h, h.positions) for h in holders]
+    rows = None
+    if original_rows is not None:
+        rows = original_rows if isinstance(original_rows, mx.array) else mx.array(np.asarray(original_rows))
+        if ids.ndim != 2 or rows.shape != (ids.shape[0],):
+            raise ValueError(f"original_rows must have shape (B,) for position ids (B, L), got {tuple(rows.shape)} "
+                             f"and {tuple(ids.shape)}")
+        rows = rows.astype(mx.bool_)
+    previous = [(h, h.positions, h.original) for h in holders]
     for h in holders:
-        h.positions = ids
+        h.positions, h.original = ids, rows
     try:
         yield
     finally:
-        for h, old in previous:
-            h.positions = old
+        for h, old, old_rows in previous:
+            h.positions, h.original = old, old_rows
 
 
 @contextlib.contextmanager

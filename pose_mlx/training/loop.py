@@ -1,7 +1,8 @@
 """The training loop: masked next-token loss at explicit position ids, AdamW, resumable, checked.
 
 - How the model reads a batch's position ids is given by the caller: `at_positions(model, ids)`, a context
-  manager (`pose_mlx.use_positions` for an extended model). The loop wraps the whole `value_and_grad` call in
+  manager (`pose_mlx.use_positions` for an extended model); a batch with short-context rows (`Batch.short`)
+  calls `at_positions(model, ids, short)`. The loop wraps the whole `value_and_grad` call in
   it, so gradient checkpointing (which re-runs the forward in the backward) sees the same positions.
 - Loss: L = sum_t mask_t * CE(logits_t, target_t) / sum_t mask_t (padding has mask 0).
 - Update: gradients averaged over `grad_accum` micro-batches, clipped to global norm `max_grad_norm`,
@@ -124,7 +125,7 @@ def evaluate(model: nn.Module, batches: Iterable, at_positions: Callable) -> flo
     total, count = 0.0, 0.0
     for batch in batches:
         mask = mx.array(batch.mask)
-        with at_positions(model, batch.positions):
+        with at_positions(model, *position_inputs(batch)):
             loss = masked_loss(model, mx.array(batch.inputs), mx.array(batch.targets), mask)
         n = float(mask.sum().item())
         total += float(loss.item()) * n
@@ -312,6 +313,14 @@ class UpdateResult(NamedTuple):
     stop: bool  # some rank called the update with stop=True
 
 
+def position_inputs(batch) -> tuple:
+    """The arguments after the model of `at_positions` for `batch`: (position ids,), plus the short-context row
+    marks when the batch has them (`Batch.short`)."""
+    short = getattr(batch, "short", None)
+    ids = mx.array(batch.positions)
+    return (ids,) if short is None else (ids, mx.array(short))
+
+
 def token_sum_loss(model: nn.Module, inputs: mx.array, targets: mx.array, mask: mx.array) -> mx.array:
     """n * `masked_loss` with n = sum_t mask_t: the summed cross-entropy whose gradient is n times the mean's."""
     return masked_loss(model, inputs, targets, mask) * mask.sum()
@@ -333,7 +342,7 @@ def make_update(model: nn.Module, optimizer: optim.Optimizer, config: TrainConfi
     value_and_grad = nn.value_and_grad(model, token_sum_loss if distributed else masked_loss)
 
     def gradients(inputs, targets, mask, positions, stop):
-        with at_positions(model, positions):
+        with at_positions(model, *positions):
             loss, grads = value_and_grad(model, inputs, targets, mask)
         if not distributed:
             return loss, grads, mask.sum(), stop
@@ -357,7 +366,7 @@ def make_update(model: nn.Module, optimizer: optim.Optimizer, config: TrainConfi
         for _ in range(config.grad_accum):
             batch = next(batches)
             loss, g, count, asked = gradients(mx.array(batch.inputs), mx.array(batch.targets),
-                                              mx.array(batch.mask), mx.array(batch.positions), flag)
+                                              mx.array(batch.mask), position_inputs(batch), flag)
             if config.grad_accum > 1:
                 mx.eval(loss, g, count, asked)  # one micro-batch's graph at a time
             grads = g if grads is None else tree_map(mx.add, grads, g)
@@ -394,7 +403,7 @@ def _enable_grad_checkpoint(model) -> Callable:
 
 def probe_loss(model: nn.Module, batch, at_positions: Callable) -> float:
     """The model's mean loss on `batch` (at its position ids)."""
-    with at_positions(model, batch.positions):
+    with at_positions(model, *position_inputs(batch)):
         loss = masked_loss(model, mx.array(batch.inputs), mx.array(batch.targets), mx.array(batch.mask))
     return float(loss.item())
 
@@ -427,7 +436,7 @@ def check_not_collapsed(model: nn.Module, batch, at_positions: Callable, before:
     model that starts at the uniform guess and moves by noise is not flagged, while a pre-trained one that falls
     back to the guess is); or when its logits no longer depend on the input (every position of every row gives the
     same distribution, to 1e-4 of the logits' scale)."""
-    with at_positions(model, batch.positions):
+    with at_positions(model, *position_inputs(batch)):
         logits = model(mx.array(batch.inputs)).astype(mx.float32)
     mask = mx.array(batch.mask)
     ce = nn.losses.cross_entropy(logits, mx.array(batch.targets)) * mask

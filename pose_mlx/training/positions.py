@@ -17,7 +17,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-SAMPLERS = ("pose", "pose-ref", "randpos", "full", "contiguous", "plain")
+SAMPLERS = ("pose", "pose-ref", "pose-middle", "randpos", "full", "contiguous", "plain")
+#: Standard deviation of the truncated Gaussian of ``pose-middle``, in units of the window (CREAM's sigma).
+MIDDLE_SIGMA = 3.0
 CONTENT = ("uniform", "zero", "aligned")
 
 RngLike = np.random.Generator | np.random.SeedSequence | int | None
@@ -150,6 +152,43 @@ def _pose_ref_layout(window: int, target: int, chunks: int, rng: np.random.Gener
     return lengths, biases
 
 
+def truncated_normal(mean: float, sigma: float, low: float, high: float, rng: np.random.Generator) -> float:
+    """One draw of N(mean, sigma^2) conditioned on [low, high] (rejection: normal draws, 256 at a time, until one
+    lands inside; the first that does is returned, so the draw has exactly the truncated law)."""
+    if not (sigma > 0 and low <= high):
+        raise ValueError(f"need sigma > 0 and low <= high, got sigma={sigma}, [{low}, {high}]")
+    if low == high:
+        return float(low)
+    while True:
+        draws = rng.normal(mean, sigma, size=256)
+        inside = draws[(draws >= low) & (draws <= high)]
+        if len(inside):
+            return float(inside[0])
+
+
+def _middle_layout(window: int, target: int, rng: np.random.Generator):
+    """Middle-focused PoSE (after CREAM: Wu, Zhao and Zheng, "Never Miss A Beat: An Efficient Recipe for Context
+    Window Extension of Large Language Models with Consistent 'Middle' Enhancement", arXiv 2406.07138).
+
+    The window is cut into a head of k = floor(Lc / 3) tokens, a middle of m = Lc - 2k tokens and a tail of k
+    tokens. The head keeps positions 0 .. k - 1 and the tail takes the last positions of the target window,
+    Lt - k .. Lt - 1 (skip bias Lt - Lc), so both ends of the target window are trained in every example. The
+    middle's skip bias is u = round((alpha - 1) * Lc), alpha ~ N(mu, sigma^2) truncated to [1, s], s = Lt / Lc,
+    mu = (1 + s) / 2, sigma = ``MIDDLE_SIGMA``: u lies in [0, Lt - Lc] with mean (Lt - Lc) / 2 (the law is
+    symmetric about mu), so the middle chunk sits around the middle of the target window more often than under
+    PoSE's uniform bias, and the distances from the head to the middle and from the middle to the tail, both
+    near Lt / 2, are trained more. k = floor(Lc / 3) and sigma are fixed choices of this implementation.
+    Returns (lengths [k, m, k], biases [0, u, Lt - Lc])."""
+    if window < 3:
+        raise ValueError(f"window must be >= 3 for sampler='pose-middle' (head, middle and tail), got {window}")
+    head = window // 3
+    ratio = target / window
+    alpha = truncated_normal((1 + ratio) / 2, MIDDLE_SIGMA, 1.0, ratio, rng)
+    middle_bias = min(int(round((alpha - 1) * window)), target - window)
+    lengths = np.array([head, window - 2 * head, head], dtype=np.int64)
+    return lengths, np.array([0, middle_bias, target - window], dtype=np.int64)
+
+
 def sample_example(
     doc_length: int,
     window: int,
@@ -161,7 +200,9 @@ def sample_example(
 ) -> Example:
     """Sample position ids and the document spans that fill them, for a document of ``doc_length`` tokens.
 
-    sampler: ``pose`` (paper, any ``chunks``), ``pose-ref`` (authors' code, 2 chunks), ``randpos``, ``full``
+    sampler: ``pose`` (paper, any ``chunks``), ``pose-ref`` (authors' code, 2 chunks), ``pose-middle`` (three
+    chunks: head at 0, middle placed by a truncated Gaussian, tail at the end of the target window; see
+    ``_middle_layout``; ``chunks`` is ignored), ``randpos``, ``full``
     (positions 0 .. target - 1 over the first ``target`` tokens; ``window`` is only checked), ``contiguous``
     (0 .. window - 1 over the first ``window`` tokens) or ``plain`` (ordinary fine-tuning: 0 .. window - 1 over
     ``window`` consecutive tokens at offset v ~ U{0 .. doc_length - window} with content ``uniform``, the document
@@ -179,7 +220,7 @@ def sample_example(
     doc_length = _integer("doc_length", doc_length, 1)
     if sampler == "full" and doc_length < target:
         raise ValueError(f"doc_length ({doc_length}) must be >= target ({target}) for sampler='full'")
-    if content == "aligned" and sampler in ("pose", "pose-ref") and doc_length < target:
+    if content == "aligned" and sampler in ("pose", "pose-ref", "pose-middle") and doc_length < target:
         raise ValueError(f"doc_length ({doc_length}) must be >= target ({target}) for content='aligned' "
                          "(chunk i's tokens are read at the document indices of its positions)")
     if doc_length < window:
@@ -188,9 +229,11 @@ def sample_example(
         raise ValueError("content='aligned' is undefined for sampler='randpos' (positions are not contiguous)")
     rng = _generator(rng)
 
-    if sampler in ("pose", "pose-ref"):
+    if sampler in ("pose", "pose-ref", "pose-middle"):
         if sampler == "pose":
             lengths, biases = _pose_layout(window, target, chunks, rng)
+        elif sampler == "pose-middle":
+            lengths, biases = _middle_layout(window, target, rng)
         else:
             lengths, biases = _pose_ref_layout(window, target, _integer("chunks", chunks, 1), rng)
         position_ids = _chunked_positions(lengths, biases)
