@@ -124,6 +124,7 @@ class Architecture:
     quant_group: int | None = None
     spec: Family = field(default_factory=Family)
     warnings: tuple = ()
+    prequantized: bool = False  # a GGUF file's quantized weights (config["gguf_quantization"]): not advised to quantize
 
     @property
     def q_dims(self) -> int:
@@ -274,7 +275,7 @@ def architecture(config: dict) -> Architecture:
         if bits not in (2, 3, 4, 5, 6, 8) or group <= 0:
             raise UserError(f"config.json: quantization bits={bits}, group_size={group} is not a layout mlx-lm writes")
     return Architecture(model_type, known, hidden, layers, inter, heads, kv_heads, head_dim, vocab, tied, dtype,
-                        bits, group, spec, tuple(warnings))
+                        bits, group, spec, tuple(warnings), bool(config.get("gguf_quantization")))
 
 
 # ------------------------------------------------------------------------------------------- the run
@@ -616,13 +617,14 @@ def make_plan(config: dict | Architecture, settings: TrainSettings, available: i
                         {"batch_size": largest_batch, "grad_accum": accum}))
     if not settings.lora:
         options.append(("train LoRA adapters instead of all weights (--lora)", arch, {"lora": True}))
-    q4 = replace(arch, quant_bits=4, quant_group=64) if not arch.quant_bits else arch
-    if not arch.quant_bits:
+    quantize = not arch.quant_bits and not arch.prequantized  # never advise quantizing quantized weights
+    q4 = replace(arch, quant_bits=4, quant_group=64) if quantize else arch
+    if quantize:
         options.append(("a 4-bit quantized base with LoRA (mlx_lm.convert -q)", q4, {"lora": True}))
     if settings.sampler != "full" and 2 <= largest_window < settings.window:
         options.append((f"a shorter training window (--window {largest_window})", arch, {"window": largest_window}))
     if sum(1 for text, _, _ in options if "window" not in text and "batch" not in text) > 1:
-        options.append(("all of: a 4-bit base, LoRA and gradient checkpointing", q4,
+        options.append(("all of: " + ("a 4-bit base, " if quantize else "") + "LoRA and gradient checkpointing", q4,
                         {"lora": True, "grad_checkpoint": True}))
     suggestions = []
     for text, arch_, changes in options:

@@ -366,7 +366,8 @@ def config_from_gguf(path_or_header) -> dict:
 
     tie_word_embeddings is true when the file has no ``output.weight``; vocab_size is the embedding's row
     count; rope_scaling comes from ``<arch>.rope.scaling.*`` (linear, yarn) or a ``rope_freqs`` tensor
-    (Llama 3 frequency factors, fitted back to mlx-lm's "llama3" parameters).
+    (Llama 3 frequency factors, fitted back to mlx-lm's "llama3" parameters); torch_dtype is the file's precision
+    (`file_dtype`); gguf_quantization names the file's block-quantized tensor types ("Q4_1"), when it has any.
     """
     h = _header(path_or_header)
     arch = h.architecture
@@ -425,7 +426,11 @@ def config_from_gguf(path_or_header) -> dict:
         "vocab_size": vocab,
         "tie_word_embeddings": "output.weight" not in h.tensors,
         "hidden_act": "silu",
+        "torch_dtype": file_dtype(h),
     }
+    quantized = sorted({t.type_name for t in h.tensors.values()} - set(FLOAT_TYPES))
+    if quantized:  # the file's weights are already quantized: the planner does not advise quantizing them
+        config["gguf_quantization"] = "+".join(quantized)
     if arch == "llama":
         config["attention_bias"] = "blk.0.attn_q.bias" in h.tensors
         config["mlp_bias"] = "blk.0.ffn_up.bias" in h.tensors
@@ -636,15 +641,21 @@ def _gguf_name(mlx: str) -> str:
     return next(k for k, v in _GLOBAL_NAMES.items() if v == module) + "." + kind
 
 
+def file_dtype(h: Header) -> str:
+    """The file's own precision, from its tensor types: float32 for an all-F32 file, bfloat16 when it has BF16
+    tensors, else float16 (also the precision of a quantized file's scales)."""
+    types = {t.type_name for t in h.tensors.values()}
+    if types == {"F32"}:
+        return "float32"
+    return "bfloat16" if "BF16" in types else "float16"
+
+
 def _compute_dtype(h: Header, cpu: bool):
-    """float32 on the CPU (fp16/bf16 matmuls are much slower there); on a GPU the file's own precision:
-    float32 for an all-F32 file, bfloat16 when it has BF16 tensors, else float16."""
+    """float32 on the CPU (fp16/bf16 matmuls are much slower there); on a GPU the file's own precision
+    (`file_dtype`)."""
     import mlx.core as mx
 
-    types = {t.type_name for t in h.tensors.values()}
-    if cpu or types == {"F32"}:
-        return mx.float32
-    return mx.bfloat16 if "BF16" in types else mx.float16
+    return mx.float32 if cpu else getattr(mx, file_dtype(h))
 
 
 def _read_float(raw: bytes, info: TensorInfo) -> np.ndarray:
@@ -1032,6 +1043,7 @@ def convert(path: str | os.PathLike, out_folder: str | os.PathLike, keep_quantiz
         if quantized:
             config["quantization"] = config["quantization_config"] = _quantization_config(quantized)
         config["torch_dtype"] = str(dtype).rsplit(".", 1)[-1]
+        config.pop("gguf_quantization", None)  # the folder's own quantization (if any) is config["quantization"]
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         _replace(tmp, out)
     except BaseException:

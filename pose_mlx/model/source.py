@@ -3,7 +3,8 @@
 A reference is an alias (`ALIASES`: a hub id plus the model's original window), a local mlx-lm / Hugging Face
 folder (config.json, weights, tokenizer files), a `.gguf` file (llama.cpp, Ollama, LM Studio; read by
 `pose_mlx.model.gguf`), or a Hugging Face hub id `owner/name` (downloaded with huggingface_hub). `resolve` checks the
-reference without loading weights, `read_config` gives its configuration (config.json, or the GGUF metadata),
+reference without loading weights, `read_config` gives its configuration (config.json, or the GGUF metadata; an
+alias's config.json ships with the package, `configs/<alias>.json`, so planning one needs no network),
 `load` the model and tokenizer - with the schedule of a folder written by `pose_mlx.finetune` re-applied
 (`pose_mlx.json`), so schedules that a plain config cannot express come back exactly.
 Everything the user can get wrong raises `UserError`.
@@ -41,10 +42,11 @@ class ModelRef:
     name: str
     path: Path
     window: int | None = None
+    config_file: Path | None = None  # the shipped config.json of an alias resolved without weights
 
     @property
     def is_gguf(self) -> bool:
-        return self.path.is_file()
+        return self.config_file is None and self.path.is_file()
 
 
 def _is_gguf_file(path: Path) -> bool:
@@ -60,14 +62,22 @@ def describe_aliases() -> str:
     return "\n".join(f"  {k:<14} {repo:<40} original window {w}" for k, (repo, w) in ALIASES.items())
 
 
+def shipped_config(alias: str) -> Path:
+    """The config.json of alias `alias` as published on the hub, shipped with the package."""
+    return Path(__file__).with_name("configs") / f"{alias}.json"
+
+
 def resolve(name: str, weights: bool = True) -> ModelRef:
     """The local place of model reference `name`; a hub id is downloaded (only its config.json when not
-    `weights`). UserError for an unknown alias, a folder without config.json, an unreachable hub."""
+    `weights`; an alias then needs no download: its config.json ships with the package). UserError for an
+    unknown alias, a folder without config.json, an unreachable hub."""
     if not name:
         raise UserError("--model is required (a folder, a .gguf file, a hub id or an alias)")
     window = None
     if name in ALIASES:
-        name, window = ALIASES[name]
+        alias, (name, window) = name, ALIASES[name]
+        if not weights:
+            return ModelRef(name, shipped_config(alias).parent, window, shipped_config(alias))
     path = Path(name).expanduser()
     if path.exists():
         if path.is_dir() and not (path / "config.json").is_file():
@@ -81,15 +91,38 @@ def resolve(name: str, weights: bool = True) -> ModelRef:
     return ModelRef(name, _download(name, weights), window)
 
 
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether a TCP connection to the hub's endpoint (HF_ENDPOINT) opens within `timeout` seconds. False under
+    HF_HUB_OFFLINE; True behind a proxy (HTTP(S)_PROXY), which only the HTTP client can go through. Without this
+    probe an unreachable hub costs about 30 s of retries before huggingface_hub gives up."""
+    import os
+    import socket
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY")):
+        return True
+    url = urlsplit(constants.ENDPOINT)
+    try:
+        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout):
+            return True
+    except (OSError, ValueError):  # no DNS, refused, timed out, a malformed endpoint
+        return False
+
+
 def _download(repo_id: str, weights: bool) -> Path:
     from huggingface_hub import hf_hub_download, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
     from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
+    offline = not hub_reachable()  # then only the local cache is looked at: one line at once, not 30 s of retries
     try:
         if weights:
-            return Path(snapshot_download(repo_id, allow_patterns=DEFAULT_ALLOW_PATTERNS))
-        return Path(hf_hub_download(repo_id, "config.json")).parent
+            return Path(snapshot_download(repo_id, allow_patterns=DEFAULT_ALLOW_PATTERNS, local_files_only=offline))
+        return Path(hf_hub_download(repo_id, "config.json", local_files_only=offline)).parent
     except LocalEntryNotFoundError:  # no network, or HF_HUB_OFFLINE, and nothing cached
         raise UserError(f"--model {repo_id}: cannot reach the Hugging Face hub to download it (offline?) and it "
                         "is not in the local cache; pass a local folder or .gguf file") from None
@@ -104,7 +137,7 @@ def read_config(ref: ModelRef) -> dict:
         from .gguf import config_from_gguf
 
         return config_from_gguf(ref.path)
-    path = ref.path / "config.json"
+    path = ref.config_file or ref.path / "config.json"
     try:
         config = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -215,4 +248,5 @@ def load(ref: ModelRef | str | Path, *, return_config: bool = False, apply_sched
 
 
 __all__ = ["ALIASES", "ModelRef", "SCHEDULE_FILE", "TOKENIZER_FILES", "build_model", "describe_aliases", "load",
-           "model_classes", "original_window", "quiet_transformers", "read_config", "resolve"]
+           "hub_reachable", "model_classes", "original_window", "quiet_transformers", "read_config", "resolve",
+           "shipped_config"]
