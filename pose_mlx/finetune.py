@@ -22,6 +22,34 @@ from pathlib import Path
 from .errors import command
 
 
+def header(plan) -> str:
+    """What the run will do, in three lines, before anything is loaded: the model and its lengths; the schedule,
+    sampler, training mode, window and batch; the predicted peak memory and the output folder."""
+    from .memory import format_size
+
+    s = plan.settings
+    model = s.model if s.model == plan.model.name else f"{s.model} ({plan.model.name})"
+    lines = [f"model {model}: original {plan.original} -> target {plan.target} tokens "
+             f"({plan.target / plan.original:g}x){', resuming' if plan.resume else ''}"]
+    if s.sampler == "none":
+        lines.append(f"schedule {s.schedule}, sampler none: no training, the extended model is exported")
+    else:
+        sampler = f"{s.sampler} ({s.chunks} chunks)" if s.sampler in ("pose", "pose-ref") else s.sampler
+        blocks = "all" if plan.lora is None or plan.lora.num_layers < 0 else plan.lora.num_layers
+        mode = "full fine-tuning" if plan.lora is None else f"LoRA rank {plan.lora.rank} on {blocks} blocks"
+        batch = f"batch {s.batch_size}" + (f" x {s.grad_accum} accumulated" if s.grad_accum > 1 else "")
+        ranks = f" x {plan.world.size} ranks" if plan.world.size > 1 else ""
+        lines.append(f"schedule {s.schedule}, sampler {sampler}, {mode}, {plan.example_length}-token rows, "
+                     f"{batch}{ranks}, {s.steps} steps at lr {s.lr:g}")
+    peak = ""
+    if plan.memory_plan is not None:
+        m = plan.memory_plan
+        peak = (f"predicted peak memory {format_size(m.estimate.peak)} of {format_size(m.available)}"
+                f"{'' if m.fits else ' (does NOT fit; --force)'}; ")
+    lines.append(f"{peak}output {plan.output}")
+    return "\n".join(lines)
+
+
 def run(args) -> Path:
     """Carry out the run whose validated settings are `args` (a `pose_mlx.settings.Invocation`); returns the
     output folder."""
@@ -32,6 +60,8 @@ def run(args) -> Path:
     from .training.stage import fine_tune
 
     plan = make_plan(args)
+    if plan.world.is_main:
+        print(header(plan), file=sys.stderr, flush=True)
     try:
         model, tokenizer = load(plan.model, apply_schedule=False)
         s = plan.settings

@@ -646,11 +646,13 @@ def limit(run) -> tuple[int, str]:
     return (parse_size(run.max_memory), "--max-memory") if run.max_memory else available_memory()
 
 
-def check_run(config: dict, run, window: int, target: int | None) -> None:
-    """Refuse (UserError, one line with the change that fits) a fine-tuning run whose predicted peak exceeds its
-    limit, unless it asks to be forced (`run.force`) or trains nothing."""
-    if run.sampler != "none" and not run.force:
-        check_fits(config, run_settings(run, window, target), limit(run)[0])
+def check_run(config: dict, run, window: int, target: int | None) -> Plan | None:
+    """The memory plan of a fine-tuning run (None when it trains nothing); refuses (UserError, one line with the
+    change that fits) a run whose predicted peak exceeds its limit, unless it asks to be forced (`run.force`)."""
+    if run.sampler == "none":
+        return None
+    settings, available = run_settings(run, window, target), limit(run)[0]
+    return make_plan(config, settings, available) if run.force else check_fits(config, settings, available)
 
 
 def check_fits(config: dict | Architecture, settings: TrainSettings, max_memory: int) -> Plan:

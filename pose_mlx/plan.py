@@ -57,6 +57,7 @@ class RunPlan:
     overwrite: bool
     world: World
     lora: LoraSpec | None
+    memory_plan: memory.Plan | None = None  # the predicted peak of a training step (None: --sampler none)
     lock: OutputLock | None = None
 
     @property
@@ -100,11 +101,11 @@ def make_plan(invocation: Invocation) -> RunPlan:
     if s.sampler == "pose-middle" and window < 3:
         raise UserError(f"--sampler pose-middle needs a window of at least 3 tokens (head, middle, tail), got {window}")
     lora = None if s.full or s.sampler == "none" else _lora_spec(s, config)
-    memory.check_run(config, s, window, target)
+    memory_plan = memory.check_run(config, s, window, target)
     label = Path(s.model.rstrip("/")).name.removesuffix(".gguf")  # the alias, the repo's or the folder's name
     output = Path(s.output).expanduser() if s.output else Path(f"{label}-{s.sampler}-{target}")
     plan = RunPlan(s, ref, config, original, target, window, output, run_folder(output), invocation.resume,
-                   invocation.overwrite, init_world(), lora)
+                   invocation.overwrite, init_world(), lora, memory_plan)
     _check_places(plan)
     _check_existing(plan)
     plan.world.barrier()  # every rank has checked the folders before rank 0 changes them

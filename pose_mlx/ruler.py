@@ -36,10 +36,16 @@ import numpy as np
 from . import errors, longctx
 from .errors import UserError
 from .resumable import RecordLog
-from .ruler_tasks import DEPTH_MODES, TASKS, PromptBuilder, parse_tasks
+from .ruler_tasks import DEPTH_MODES, TASKS, PromptBuilder, PromptTooShort, parse_tasks
 
 DEFAULT_THRESHOLD = 0.856  # Llama-2-7B's RULER average at 4k (Hsieh et al., 2024)
 DEFAULT_SAMPLES = 10
+#: The shortest --lengths each task fits with SmolLM2-135M-Instruct's tokenizer and chat template (to 8 tokens:
+#: the template and needles alone); other tokenizers need somewhat more or less, and a run names every length too
+#: short for its model at once, before any prompt is scored.
+MIN_TOKENS = {"niah_single_1": 112, "niah_single_2": 112, "niah_single_3": 136, "niah_multikey_1": 160,
+              "niah_multikey_2": 112, "niah_multikey_3": 216, "niah_multivalue": 168, "niah_multiquery": 192,
+              "vt": 264, "cwe": 400, "fwe": 136}
 EFFECTIVE_LENGTH = ("the largest tested length L such that the average score over the tasks is >= the threshold "
                     "at every tested length <= L (null: the shortest tested length is below it)")
 
@@ -247,14 +253,17 @@ def write_outputs(out: Path, record: dict, run: RulerRun) -> Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    tasks = "\n".join(f"  {t.name:<16} {t.summary}" for t in TASKS.values())
+    tasks = "\n".join(f"  {t.name:<16} {MIN_TOKENS[t.name]:>4}  {t.summary}" for t in TASKS.values())
     parser = longctx.eval_parser("python -m pose_mlx.ruler", __doc__.split("\n")[0])
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = f"tasks (--tasks):\n{tasks}\n\neffective length: {EFFECTIVE_LENGTH}."
+    parser.epilog = (f"tasks (--tasks; default: all of them), with the shortest length each fits, in SmolLM2's "
+                     f"tokens\n(the template and needles alone; other tokenizers differ somewhat):\n{tasks}\n\n"
+                     f"effective length: {EFFECTIVE_LENGTH}.")
     parser.add_argument("--lengths", default=None, help="prompt lengths in the model's tokens, e.g. 4k,8k,16k or "
                                                         "1x,2x of the original window (default: doubling from half "
                                                         "the original window to the model's maximum)")
-    parser.add_argument("--tasks", default="all", help="`all` or a comma list of task names (below)")
+    parser.add_argument("--tasks", default="all",
+                        help="`all` (default: every task below) or a comma list of task names")
     parser.add_argument("--samples", type=int, default=DEFAULT_SAMPLES,
                         help=f"samples per task and length (default {DEFAULT_SAMPLES})")
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated content (default 0)")
@@ -289,6 +298,25 @@ def _check_arguments(args) -> list[str]:
     return tasks
 
 
+def check_lengths(builder: PromptBuilder, tasks: list[str], lengths: list[int]) -> None:
+    """Every task fits every length, else one UserError naming each task with each of its too-short lengths.
+    A task is tried from the shortest length up, stopping at the first that fits: what does not fit is the fixed
+    part of its prompt (template and needles), which a longer length holds as well."""
+    short: dict[str, list[PromptTooShort]] = {}
+    for task in tasks:
+        for length in sorted(lengths):
+            try:
+                builder.sample(task, length, 0)
+                break
+            except PromptTooShort as error:
+                short.setdefault(task, []).append(error)
+    if short:
+        named = [f"{task} at {', '.join(str(e.length) for e in errs)} (its template and needles take "
+                 f"{errs[-1].tokens})" for task, errs in short.items()]
+        raise UserError(f"--lengths: too short for {len(short)} of {len(tasks)} tasks: {'; '.join(named)}; use "
+                        "longer --lengths or drop these from --tasks")
+
+
 @errors.command("pose_mlx.ruler")
 def main(argv=None) -> int:
     started = time.perf_counter()
@@ -309,8 +337,7 @@ def main(argv=None) -> int:
     estimate = longctx.check_memory(info, [max(lengths) + answer], args.chunk, args.force, all_logits=False)
     builder = PromptBuilder(info.tokenizer, args.samples, args.seed, args.depths, args.haystack,
                             False if args.no_chat else None)
-    for task in tasks:  # every template fits the shortest length (else a UserError names the task)
-        builder.sample(task, min(lengths), 0)
+    check_lengths(builder, tasks, lengths)
     print(f"model {info.path}: schedule {info.schedule}; original window {info.original}, max "
           f"{info.maximum}; {'chat template' if builder.fmt.chat else 'plain prompts'}; memory estimate "
           f"{estimate}", file=sys.stderr)
@@ -334,8 +361,8 @@ def main(argv=None) -> int:
     return 0
 
 
-__all__ = ["DEFAULT_THRESHOLD", "EFFECTIVE_LENGTH", "Record", "RulerRun", "effective_length", "evaluation_order",
-           "format_table", "main", "match_all", "run_ruler"]
+__all__ = ["DEFAULT_THRESHOLD", "EFFECTIVE_LENGTH", "MIN_TOKENS", "Record", "RulerRun", "check_lengths",
+           "effective_length", "evaluation_order", "format_table", "main", "match_all", "run_ruler"]
 
 if __name__ == "__main__":
     sys.exit(main())

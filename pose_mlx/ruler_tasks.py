@@ -203,6 +203,15 @@ class TooShort(Exception):
         self.tokens = tokens
 
 
+class PromptTooShort(UserError):
+    """A length too short for a task's template and needles, which alone take `tokens` tokens."""
+
+    def __init__(self, task: str, length: int, tokens: int):
+        super().__init__(f"--lengths: {length} tokens is too short for {task} (its template and needles alone take "
+                         f"{tokens} tokens); drop it from --tasks or use longer --lengths")
+        self.task, self.length, self.tokens = task, length, tokens
+
+
 def fit_size(count: Callable[[int], int], budget: int, low: int, guess: int | None = None) -> int:
     """The largest n >= low with count(n) <= budget, for a nondecreasing `count` that is close to linear.
 
@@ -522,8 +531,7 @@ class PromptBuilder:
         try:
             size = fit_size(lambda n: len(tokens(n)), length, draft.low)
         except TooShort as short:
-            raise UserError(f"--lengths: {length} tokens is too short for {task.name} (its template and needles "
-                            f"alone take {short.tokens} tokens); drop it from --tasks or use longer --lengths") from None
+            raise PromptTooShort(task.name, length, short.tokens) from None
         chars = 0
         if draft.top_up and len(tokens(size)) < math.ceil((1 - TOLERANCE) * length):
             lo, hi = 0, self._stream(task, length).cut(size)[2] - 1  # (all of it would be size + 1 words)
@@ -564,5 +572,5 @@ def parse_tasks(text: str) -> list[str]:
     return [t for t in TASKS if t in items]
 
 
-__all__ = ["DEPTH_MODES", "NOISE", "Needle", "PromptBuilder", "PromptFormat", "Sample", "TASKS", "TOLERANCE", "Task",
+__all__ = ["DEPTH_MODES", "NOISE", "Needle", "PromptBuilder", "PromptFormat", "PromptTooShort", "Sample", "TASKS", "TOLERANCE", "Task",
            "TooShort", "fit_size", "has_chat_template", "parse_tasks", "weave"]

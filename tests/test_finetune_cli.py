@@ -302,3 +302,44 @@ def test_max_memory_refuses_before_loading_and_force_overrides(tiny_model, text_
     monkeypatch.setattr(memory, "available_memory", lambda: (2**16, "test"))
     code, err = run_cli(capsys, *args, "--output", tmp_path / "d")
     assert code == 2 and "more than 64 KiB" in err
+
+
+def test_header_before_loading(tiny_model, text_dir, tmp_path, capsys, monkeypatch):
+    """The header names the run before a weight is read (a load that fails still shows it): lengths, schedule,
+    sampler, LoRA, rows and batch, and the same predicted peak that `python -m pose_mlx.plan` gives."""
+    from pose_mlx import memory, plan
+    from pose_mlx.errors import UserError
+    from pose_mlx.model import source
+
+    def failing_load(*args, **kwargs):
+        raise UserError("load refused by the test")
+
+    monkeypatch.setattr(source, "load", failing_load)
+    flags = ["--model", tiny_model, "--target", "8x", "--data", text_dir, "--cache-dir", tmp_path / "c",
+             "--schedule", "yarn", "--window", "16", "--batch-size", "3", "--max-memory", "64GB"]
+    code, err = run_cli(capsys, *flags, "--output", tmp_path / "out", "--steps", "7", "--no-progress")
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert lines[-1] == "pose_mlx.finetune: error: load refused by the test"
+    head = "\n".join(lines[:-1])
+    assert f"original {ORIGINAL} -> target {8 * ORIGINAL} tokens (8x)" in head
+    assert "schedule yarn, sampler pose (2 chunks), LoRA rank 8 on 2 blocks, 16-token rows, batch 3" in head
+    assert "7 steps at lr 2e-05" in head and f"output {tmp_path / 'out'}" in head
+    assert plan.main([str(a) for a in flags] + ["--json"]) == 0
+    predicted = json.loads(capsys.readouterr().out)
+    assert predicted["peak_bytes"] > 0
+    assert f"predicted peak memory {memory.format_size(predicted['peak_bytes'])} of 64 GiB" in head
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()  # nothing left behind
+
+
+def test_header_then_progress_then_summary(tiny_model, text_dir, tmp_path, capsys):
+    """A whole run prints the header first (three lines), the summary line last; rank 0 only (one process here)."""
+    out = tmp_path / "out"
+    code, err = run_cli(capsys, "--model", tiny_model, "--target", "4x", "--data", text_dir, "--output", out,
+                        "--cache-dir", tmp_path / "c", "--full", *FAST)
+    assert code == 0, err
+    lines = err.strip().splitlines()
+    assert lines[0].startswith(f"model {tiny_model}: original {ORIGINAL} -> target {4 * ORIGINAL}")
+    assert "full fine-tuning, 16-token rows, batch 1, 4 steps" in lines[1]
+    assert lines[2].startswith("predicted peak memory ") and lines[2].endswith(f"output {out}")
+    assert lines[-1].startswith("trained 4 steps") and lines[-1].endswith(f"wrote {out}")

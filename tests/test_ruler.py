@@ -2,8 +2,8 @@
 effective length, the evaluator end to end, and bad input through the command line."""
 
 import json
-import time
 import re
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -421,7 +421,7 @@ def _fails_cleanly(argv, tmp_path, capsys, monkeypatch, fragment):
     (["--lengths", "1k;2k"], "--lengths '1k;2k' is not a length"),
     (["--lengths", "16k"], "beyond the model's window of 4096 tokens"),
     (["--samples", "0"], "--samples: 0 must be >= 1"),
-    (["--lengths", "200"], "200 tokens is too short for niah_single_"),
+    (["--lengths", "200"], "--lengths: too short for 10 of 11 tasks: niah_single_2 at 200 ("),
     (["--threshold", "1.5"], "--threshold"),
     (["--depths", "middle"], "--depths"),
     (["--haystack", "/nonexistent/texts"], "--haystack"),
@@ -447,7 +447,42 @@ def test_help_lists_every_task(capsys):
         ruler.main(["--help"])
     assert stop.value.code == 0
     out = capsys.readouterr().out
-    assert all(f"  {task} " in out for task in rt.TASKS) and "--threshold" in out and "--haystack" in out
+    assert "--threshold" in out and "--haystack" in out and "default: every task below" in out
+    for task in rt.TASKS:  # each task with its shortest length
+        assert re.search(rf"^  {task} +{ruler.MIN_TOKENS[task]}  ", out, re.M), task
+
+
+def test_every_too_short_length_and_task_named_at_once(tiny, tmp_path, capsys, monkeypatch):
+    """One line, exit 2, naming exactly the (task, length) pairs whose prompt does not fit - the pairs found
+    by building every sample directly."""
+    lengths, tasks = [200, 300, 600, 1024], ["niah_single_1", "niah_multikey_3", "vt", "cwe"]
+    builder = rt.PromptBuilder(tiny[1].tokenizer, samples=1)
+    expected = {}
+    for task in tasks:
+        for n in lengths:
+            try:
+                builder.sample(task, n, 0)
+            except rt.PromptTooShort:
+                expected.setdefault(task, []).append(n)
+    assert expected and len(expected) < len(tasks) and all(max(v) < 1024 for v in expected.values())
+    monkeypatch.chdir(tmp_path)
+    argv = ["--model", str(tiny[0]), "--lengths", ",".join(map(str, lengths)), "--tasks", ",".join(tasks)]
+    assert ruler.main(argv + ["--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"pose_mlx.ruler: error: --lengths: too short for "
+                                                         f"{len(expected)} of {len(tasks)} tasks: ")
+    named = dict(re.findall(r"(\w+) at ([\d, ]+) \(", err))
+    assert {task: [int(n) for n in text.split(", ")] for task, text in named.items()} == expected
+    assert not list(tmp_path.iterdir())
+
+
+def test_min_tokens_of_the_help_are_smollm2s(smollm2):
+    """Each task fits exactly from its MIN_TOKENS on with SmolLM2's tokenizer and chat template."""
+    builder = rt.PromptBuilder(smollm2[2], samples=1)
+    for task, n in ruler.MIN_TOKENS.items():
+        builder.sample(task, n, 0)
+        with pytest.raises(rt.PromptTooShort):
+            builder.sample(task, n - 8, 0)
 
 
 def test_module_entry_point_reports_bad_input_in_one_line(tmp_path):

@@ -1,0 +1,55 @@
+"""`python -m pose_mlx` lists the commands; `python -m pose_mlx COMMAND ...` (or the `pose-mlx COMMAND ...` script
+that `pip install` puts on the PATH) runs `python -m pose_mlx.COMMAND ...`.
+
+Listing imports nothing but this module (no MLX); a command's module is imported only when it runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from .errors import UserError, command
+
+#: command -> (module, one line). Every `python -m pose_mlx.X` command, in the order a newcomer uses them.
+COMMANDS = {
+    "demo": ("pose_mlx.demo", "extend the shipped small model 8x and measure it, offline, in minutes"),
+    "plan": ("pose_mlx.plan", "predict a fine-tuning run's peak memory from the model's config (nothing loaded)"),
+    "finetune": ("pose_mlx.finetune", "extend a model's context window (PoSE and baselines) into an mlx-lm folder"),
+    "passkey": ("pose_mlx.passkey", "passkey retrieval accuracy by context length and depth"),
+    "perplexity": ("pose_mlx.perplexity", "sliding-window perplexity by evaluation length"),
+    "ruler": ("pose_mlx.ruler", "RULER's synthetic tasks and the effective context length"),
+    "convert": ("pose_mlx.convert", "write an mlx-lm model folder from a GGUF file"),
+    "launch": ("pose_mlx.launch", "run a command as data-parallel ranks on this machine"),
+    "sim": ("pose_mlx.sim.__main__", "the simulator: pre-train a small model and reproduce the paper's grid"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: python -m pose_mlx COMMAND [flags]   (or: pose-mlx COMMAND [flags])", "", "commands:"]
+    lines += [f"  {name:<{width}}  {text}" for name, (_module, text) in COMMANDS.items()]
+    lines += ["", "`python -m pose_mlx.COMMAND --help` (or `pose-mlx COMMAND --help`) lists a command's flags."]
+    return "\n".join(lines)
+
+
+@command("pose_mlx")
+def _unknown(argv) -> int:
+    raise UserError(f"unknown command {argv[0]!r}; the commands are: {', '.join(COMMANDS)}")
+
+
+def main(argv=None) -> int:
+    """The list of commands (no argument, -h, --help), else the exit code of the command `argv[0]` run with the
+    rest of `argv`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    if argv[0] not in COMMANDS:
+        return _unknown(argv)
+    module = importlib.import_module(COMMANDS[argv[0]][0])
+    return module.main(argv[1:]) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
