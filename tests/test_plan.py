@@ -100,8 +100,10 @@ def test_read_model_config(folder, monkeypatch, tmp_path):
     import huggingface_hub
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
-    assert _read("llama-2-13b") == CONFIG
-    assert seen["args"] == ("meta-llama/Llama-2-13b-hf", "config.json")
+    assert _read("someone/some-model") == CONFIG
+    assert seen["args"] == ("someone/some-model", "config.json")
+    seen.clear()
+    assert _read("llama-2-13b")["hidden_size"] == 5120 and not seen  # an alias's config ships with the package
 
 
 def _empty(folder: Path) -> Path:
@@ -134,9 +136,80 @@ def test_bad_input_is_one_line_exit_2(folder, argv, needle):
     assert len(lines) == 1 and lines[0].startswith("pose_mlx.plan: error: ") and needle in lines[0], err
 
 
-def test_hub_alias_offline_is_one_line(tmp_path):
-    code, out, err = run_cli("--model", "llama-2-7b", "--target", "8x",
-                             env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)})
+UNREACHABLE = [{"HF_HUB_OFFLINE": "1"}, {"HF_ENDPOINT": "http://127.0.0.1:9"}]  # offline; a closed loopback port
+
+
+@pytest.mark.parametrize("env", UNREACHABLE, ids=["HF_HUB_OFFLINE", "closed-endpoint"])
+def test_hub_id_unreachable_is_one_line(tmp_path, env):
+    """No retries printed: the hub is probed once and only the (empty) local cache is looked at."""
+    code, out, err = run_cli("--model", "meta-llama/Llama-2-7b-hf", "--target", "8x",
+                             env={**env, "HF_HOME": str(tmp_path)})
     assert code == 2 and out == ""
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and "meta-llama/Llama-2-7b-hf" in lines[0] and "hub" in lines[0]
+    assert len(lines) == 1 and "meta-llama/Llama-2-7b-hf" in lines[0] and "cannot reach the Hugging Face hub" in \
+        lines[0], err
+
+
+@pytest.mark.parametrize("env", UNREACHABLE, ids=["HF_HUB_OFFLINE", "closed-endpoint"])
+def test_alias_plans_offline(tmp_path, env):
+    """The README's Llama-2-7B row (PoSE, 4k window, fp16, LoRA, no checkpointing: 93.6 GiB) with the hub out of
+    reach, from the shipped config.json."""
+    code, out, err = run_cli("--model", "llama-2-7b", "--target", "32k", "--json",
+                             env={**env, "HF_HOME": str(tmp_path)})
+    assert code == 0, err
+    record = json.loads(out)
+    assert memory.format_size(record["peak_bytes"]) == "93.6 GiB" and record["settings"]["window"] == 4096
+    assert err == ""  # the shipped config names its dtype: no warning
+
+
+def test_every_alias_ships_its_config():
+    """Each alias's shipped config.json: the family of its hub id, a window equal to the alias's, the shapes that
+    the benchmark's Llama-2 table used, and a plan at 2x its window."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_plan import LLAMA2
+    from pose_mlx.model import source
+
+    families = {"llama": "llama", "mistral": "mistral", "qwen2.5": "qwen2", "tinyllama": "llama"}
+    for alias, (repo, window) in source.ALIASES.items():
+        ref = source.resolve(alias, weights=False)
+        config = source.read_config(ref)
+        assert ref.name == repo and not ref.is_gguf and config["model_type"] == families[alias.split("-")[0]]
+        assert source.original_window(config) == window or alias in ("mistral-7b", "qwen2.5-0.5b"), alias
+        arch = memory.architecture(config)
+        assert not arch.warnings, (alias, arch.warnings)
+        _s, _ref, _config, settings = planner.planned_run(["--model", alias, "--target", "2x"])
+        assert settings.window == window and settings.target == 2 * window
+    for alias, name in (("llama-2-7b", "Llama-2-7B"), ("llama-2-13b", "Llama-2-13B")):
+        config = source.read_config(source.resolve(alias, weights=False))
+        assert {k: config[k] for k in LLAMA2[name]} == LLAMA2[name]
+
+
+def test_gguf_dtype_from_its_tensors_and_no_quantizing_advice(tmp_path, capsys):
+    """A Q4_1 file: the weights' dtype comes from the file (no 'names no torch_dtype' warning) and quantizing it
+    is not suggested; the same shapes as an unquantized folder do get that suggestion."""
+    from gguf import GGMLQuantizationType as Q
+
+    import _gguf_helpers as H
+
+    tok = H.train_bpe()
+    config = H.model_config(tok.get_vocab_size(), tied=False, max_position_embeddings=64)
+    H.write_gguf(tmp_path / "m.gguf", config, H.random_weights(config), H.bpe_metadata(tok, "gpt-2"),
+                 types=lambda name: Q.Q4_1)
+    flags = ["--target", "4x", "--max-memory", "1MB", "--json"]
+    assert planner.main(["--model", str(tmp_path / "m.gguf"), *flags]) == 0
+    captured = capsys.readouterr()
+    record = json.loads(captured.out)
+    assert record["warnings"] == [] and "torch_dtype" not in captured.err
+    assert record["architecture"]["dtype"] == "float16"  # F32 norms + Q4_1 matrices (float16 scales)
+    assert record["suggestions"] and not any("4-bit" in s["change"] for s in record["suggestions"])
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "config.json").write_text(json.dumps({**config, "torch_dtype": "float16"}))
+    assert planner.main(["--model", str(tmp_path / "folder"), *flags]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert any("4-bit" in s["change"] for s in record["suggestions"])
+    from pose_mlx.model.gguf import config_from_gguf
+
+    assert config_from_gguf(tmp_path / "m.gguf")["gguf_quantization"] == "Q4_1"
+    H.write_gguf(tmp_path / "f32.gguf", config, H.random_weights(config), H.bpe_metadata(tok, "gpt-2"))
+    f32 = config_from_gguf(tmp_path / "f32.gguf")
+    assert f32["torch_dtype"] == "float32" and "gguf_quantization" not in f32
