@@ -1,0 +1,86 @@
+"""`python -m pose_mlx` and the console script that pyproject.toml declares: the list of commands, the dispatch to
+`python -m pose_mlx.COMMAND`, and no MLX import to list them."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pose_mlx import __main__ as entry
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*argv):
+    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def command_modules() -> set[str]:
+    """Every module of the package that runs as `python -m`: it has an `if __name__ == "__main__":` block
+    (found by parsing the sources, independently of the list)."""
+    found = set()
+    for path in (ROOT / "pose_mlx").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            if isinstance(node, ast.If) and ast.unparse(node.test) == "__name__ == '__main__'":
+                found.add(".".join(path.relative_to(ROOT).with_suffix("").parts))
+    return found - {"pose_mlx.__main__"}
+
+
+def test_lists_every_command_in_one_line_each_without_mlx():
+    code, out, err = run("-c", "import sys; from pose_mlx.__main__ import main; main([]); "
+                               "print(sorted(m for m in sys.modules if m == 'mlx' or m.startswith('mlx.')))")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[-1] == "[]"  # listing the commands imported no MLX module
+    listed = [line.split()[0] for line in lines if line.startswith("  ")]
+    assert listed == list(entry.COMMANDS)
+    assert {module for module, _text in entry.COMMANDS.values()} == command_modules()
+
+
+def test_module_entry_point(tmp_path):
+    code, out, err = run("-m", "pose_mlx")
+    assert code == 0 and err == "" and "usage: python -m pose_mlx COMMAND" in out
+    code, out, err = run("-m", "pose_mlx", "frobnicate")
+    assert code == 2 and out == ""
+    assert err.strip() == f"pose_mlx: error: unknown command 'frobnicate'; the commands are: {', '.join(entry.COMMANDS)}"
+
+
+def test_dispatch_runs_the_command_with_its_flags(tmp_path, capsys):
+    """`pose_mlx plan ...` is `python -m pose_mlx.plan ...`: the same output and exit code, bad input included."""
+    from pose_mlx import plan
+
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, '
+                                          '"intermediate_size": 128, "num_attention_heads": 4, "vocab_size": 100, '
+                                          '"max_position_embeddings": 128, "tie_word_embeddings": true, '
+                                          '"torch_dtype": "float32"}')
+    argv = ["--model", str(tmp_path), "--target", "4x", "--json", "--max-memory", "1GB"]
+    assert entry.main(["plan", *argv]) == 0
+    via_entry = capsys.readouterr()
+    assert plan.main(argv) == 0
+    assert capsys.readouterr() == via_entry
+    assert entry.main(["plan", "--model", str(tmp_path), "--target", "banana"]) == 2
+    assert "pose_mlx.plan: error: " in capsys.readouterr().err
+
+
+def test_console_scripts_declared_in_pyproject_resolve():
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"pose-mlx": "pose_mlx.__main__:main"}
+    for name, target in scripts.items():
+        module, _, attr = target.partition(":")
+        assert callable(getattr(importlib.import_module(module), attr)), name
+
+
+@pytest.mark.parametrize("name", list(entry.COMMANDS))
+def test_every_listed_command_has_a_main(name):
+    module = importlib.import_module(entry.COMMANDS[name][0])
+    assert callable(module.main)
