@@ -1,6 +1,7 @@
 """pose_mlx.training.data: reading, cached tokenization, length filter, example batches and resumable streams."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -90,6 +91,23 @@ def test_hub_unreachable_and_hub_folder(tmp_path, monkeypatch, folder):
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
     assert list(read_documents("someone/some-data")) == ["json one", "json two é"]
     assert seen["repo_type"] == "dataset" and seen["repo_id"] == "someone/some-data"
+
+
+def test_hub_dataset_with_a_closed_endpoint_fails_without_retries(tmp_path):
+    """A real lookup against a closed loopback port (no mock): the probe fails, only the empty cache is read."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    code = ("from pose_mlx.training.data import DataError, read_documents\n"
+            "try:\n    list(read_documents('someone/some-data'))\nexcept DataError as e:\n    print(e)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(root), "HF_ENDPOINT": "http://127.0.0.1:9",
+                               "HF_HOME": str(tmp_path / "hf")})
+    assert proc.returncode == 0, proc.stderr
+    assert "--data someone/some-data: not a local path and the Hugging Face hub cannot be reached" in proc.stdout
+    assert "Retry" not in proc.stderr
 
 
 def test_cache_contents_hit_and_invalidation(tmp_path, folder):

@@ -72,7 +72,10 @@ def _download(repo_id: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        folder = snapshot_download(repo_id=repo_id, repo_type="dataset", allow_patterns=[f"*{s}" for s in SUFFIXES])
+        from ..model.source import hub_reachable
+
+        folder = snapshot_download(repo_id=repo_id, repo_type="dataset", allow_patterns=[f"*{s}" for s in SUFFIXES],
+                                   local_files_only=not hub_reachable())  # offline: one line at once, no retries
     except Exception as error:  # offline, unknown repo, HTTP errors: all become one line for the user
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise DataError(f"--data {repo_id}: not a local path and the Hugging Face hub cannot be reached or has no "
