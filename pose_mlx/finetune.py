@@ -39,7 +39,8 @@ def header(plan) -> str:
         mode = "full fine-tuning" if plan.lora is None else f"LoRA rank {plan.lora.rank} on {blocks} blocks"
         batch = f"batch {s.batch_size}" + (f" x {s.grad_accum} accumulated" if s.grad_accum > 1 else "")
         ranks = f" x {plan.world.size} ranks" if plan.world.size > 1 else ""
-        lines.append(f"schedule {s.schedule}, sampler {sampler}, {mode}, {plan.example_length}-token rows, "
+        schedule = f"{s.schedule} (at export)" if s.sampler == "plain" else s.schedule
+        lines.append(f"schedule {schedule}, sampler {sampler}, {mode}, {plan.example_length}-token rows, "
                      f"{batch}{ranks}, {s.steps} steps at lr {s.lr:g}")
     peak = ""
     if plan.memory_plan is not None:
