@@ -61,8 +61,8 @@ def run(args) -> Path:
     from .training.stage import fine_tune
 
     plan = make_plan(args)
-    if plan.world.is_main:
-        print(header(plan), file=sys.stderr, flush=True)
+    if plan.world.is_main:  # on stdout: stderr keeps its one line for bad input found later (data, disk)
+        print(header(plan), flush=True)
     try:
         model, tokenizer = load(plan.model, apply_schedule=False)
         s = plan.settings

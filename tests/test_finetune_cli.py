@@ -317,11 +317,12 @@ def test_header_before_loading(tiny_model, text_dir, tmp_path, capsys, monkeypat
     monkeypatch.setattr(source, "load", failing_load)
     flags = ["--model", tiny_model, "--target", "8x", "--data", text_dir, "--cache-dir", tmp_path / "c",
              "--schedule", "yarn", "--window", "16", "--batch-size", "3", "--max-memory", "64GB"]
-    code, err = run_cli(capsys, *flags, "--output", tmp_path / "out", "--steps", "7", "--no-progress")
+    code = main([str(a) for a in [*flags, "--output", tmp_path / "out", "--steps", "7", "--no-progress"]])
+    captured = capsys.readouterr()
     assert code == 2
-    lines = err.strip().splitlines()
-    assert lines[-1] == "pose_mlx.finetune: error: load refused by the test"
-    head = "\n".join(lines[:-1])
+    assert captured.err.strip() == "pose_mlx.finetune: error: load refused by the test"  # stderr: the one line
+    head = captured.out
+    assert len(head.strip().splitlines()) == 3
     assert f"original {ORIGINAL} -> target {8 * ORIGINAL} tokens (8x)" in head
     assert "schedule yarn, sampler pose (2 chunks), LoRA rank 8 on 2 blocks, 16-token rows, batch 3" in head
     assert "7 steps at lr 2e-05" in head and f"output {tmp_path / 'out'}" in head
@@ -333,13 +334,16 @@ def test_header_before_loading(tiny_model, text_dir, tmp_path, capsys, monkeypat
 
 
 def test_header_then_progress_then_summary(tiny_model, text_dir, tmp_path, capsys):
-    """A whole run prints the header first (three lines), the summary line last; rank 0 only (one process here)."""
+    """A whole run prints the header (three lines on stdout) before anything else, the summary line last (on
+    stderr, as the progress bar)."""
     out = tmp_path / "out"
-    code, err = run_cli(capsys, "--model", tiny_model, "--target", "4x", "--data", text_dir, "--output", out,
-                        "--cache-dir", tmp_path / "c", "--full", *FAST)
-    assert code == 0, err
-    lines = err.strip().splitlines()
-    assert lines[0].startswith(f"model {tiny_model}: original {ORIGINAL} -> target {4 * ORIGINAL}")
+    code = main([str(a) for a in ["--model", tiny_model, "--target", "4x", "--data", text_dir, "--output", out,
+                                  "--cache-dir", tmp_path / "c", "--full", *FAST]])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    lines = captured.out.strip().splitlines()
+    assert len(lines) == 3 and lines[0].startswith(f"model {tiny_model}: original {ORIGINAL} -> target {4 * ORIGINAL}")
     assert "full fine-tuning, 16-token rows, batch 1, 4 steps" in lines[1]
     assert lines[2].startswith("predicted peak memory ") and lines[2].endswith(f"output {out}")
-    assert lines[-1].startswith("trained 4 steps") and lines[-1].endswith(f"wrote {out}")
+    summary = captured.err.strip().splitlines()[-1]
+    assert summary.startswith("trained 4 steps") and summary.endswith(f"wrote {out}")
