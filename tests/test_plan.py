@@ -213,3 +213,10 @@ def test_gguf_dtype_from_its_tensors_and_no_quantizing_advice(tmp_path, capsys):
     H.write_gguf(tmp_path / "f32.gguf", config, H.random_weights(config), H.bpe_metadata(tok, "gpt-2"))
     f32 = config_from_gguf(tmp_path / "f32.gguf")
     assert f32["torch_dtype"] == "float32" and "gguf_quantization" not in f32
+    # a model exported from the file does not inherit the file's precision and block types (its weights differ)
+    from pose_mlx import finetune
+
+    assert finetune.main(["--model", str(tmp_path / "m.gguf"), "--target", "2x", "--sampler", "none", "--output",
+                          str(tmp_path / "out")]) == 0
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "gguf_quantization" not in exported and "torch_dtype" not in exported

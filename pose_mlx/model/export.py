@@ -228,13 +228,15 @@ def export_run(model: nn.Module, extension: Extension, plan, summary: dict) -> P
                                              "tokens_per_step", "training", "lr", "seed")}}
     record["steps"] = record["steps"] or 0
     logs = {"train_log.jsonl": plan.partial / "log.jsonl", "run.json": plan.partial / "run.json"}
-    tokenizer_source = plan.model.path
+    tokenizer_source, config = plan.model.path, plan.config
     if plan.model.is_gguf:
         from .gguf import write_tokenizer
 
         tokenizer_source = plan.partial / "tokenizer"
         write_tokenizer(plan.model.path, tokenizer_source)
-    info = export_model(model, plan.config, tokenizer_source, plan.output, fuse=s.fuse, lora=plan.lora,
+        # the file's precision and block types, not those of the weights written here
+        config = {k: v for k, v in config.items() if k not in ("torch_dtype", "gguf_quantization")}
+    info = export_model(model, config, tokenizer_source, plan.output, fuse=s.fuse, lora=plan.lora,
                         record=record, extra_files=logs, overwrite=plan.overwrite or plan.resume)
     shutil.rmtree(plan.partial, ignore_errors=True)
     if not info["mlx_lm_exact"]:
