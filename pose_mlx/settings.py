@@ -420,6 +420,10 @@ def _resume_settings(given: dict) -> RunSettings:
                         "a new run with --overwrite)")
     for key, (_, new) in changed.items():
         setattr(saved, key, new)
+    # The run folder is the one named now: run.json's output may name the folder a copied (or moved, or resumed
+    # from elsewhere) run folder came from, and that one is never touched. Model and data stay as saved: they are
+    # only read; so does the token cache, which is content-addressed (the same tokens wherever it lies).
+    saved.output = given["output"]
     return saved
 
 
