@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from .errors import ArgumentParser, UserError
+from .places import check_output
 from .training.positions import CONTENT
 from .rope import SCHEDULES, scaled_inv_freq, schedule_parameters
 
@@ -408,6 +409,7 @@ def _resume_settings(given: dict) -> RunSettings:
     """The saved settings of the run at --output, with the given ones that may change applied."""
     if not given.get("output"):
         raise UserError("--resume needs --output (the folder the interrupted run was writing)")
+    check_output("--output", given["output"])
     path = run_folder(given["output"]) / RUN_FILE
     if not path.is_file() and (Path(given["output"]) / "pose_mlx.json").is_file():
         raise UserError(f"output folder {given['output']} is already complete; nothing to resume")
