@@ -179,6 +179,8 @@ def validate(config: SimConfig) -> None:
                  "test_docs", "eval_docs", "seeds"):
         if getattr(config, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(config, name)}")
+    if config.vocab <= 260:  # pose_mlx.toy.train_tokenizer: 256 byte pieces, 4 specials, then merges
+        raise UserError(f"--vocab must be more than 260 (256 byte pieces + 4 special pieces), got {config.vocab}")
     if config.window < 2:
         raise UserError(f"--window must be >= 2 (PoSE's two chunks), got {config.window}")
     if config.factor < 2:
