@@ -29,6 +29,9 @@ def build_parser() -> ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from .model.gguf import convert
+    from .places import check_output
+
+    check_output("OUT", args.out)
 
     folder = convert(args.gguf, args.out, keep_quantized=args.keep_quantized, overwrite=args.overwrite)
     files = sorted(p.name for p in folder.iterdir())

@@ -29,6 +29,8 @@ from pathlib import Path
 
 from . import finetune, passkey, perplexity, toy
 from .errors import ArgumentParser, UserError, command
+from .lengths import parse_length
+from .places import check_output
 from .sim import SHIPPED_BASE
 
 PRETRAINED = SHIPPED_BASE
@@ -100,8 +102,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _window(model: Path) -> int:
-    config = json.loads((model / "config.json").read_text())
-    return int(config["max_position_embeddings"])
+    """The base's pre-training window, from its checked config (`pose_mlx.model.source`)."""
+    from .model import source
+
+    ref = source.resolve(str(model), weights=False)
+    window = source.original_window(source.read_config(ref), ref)
+    if window is None:
+        raise UserError(f"--model {model}: its config.json does not say its window (max_position_embeddings)")
+    return window
+
+
+def _finetune_argv(args, model: Path, out: Path, train: Path) -> list[str]:
+    """The flags of step 2, `python -m pose_mlx.finetune`."""
+    return ["--model", str(model), "--target", f"{args.factor}x", "--schedule", args.schedule, "--data", str(train),
+            "--full", "--lr", str(args.lr), "--steps", str(args.steps), "--warmup", str(max(1, args.steps // 10)),
+            "--batch-size", str(args.batch_size), "--save-every", "0", "--cache-dir", str(out / "cache"),
+            "--output", str(out / "pose"), "--overwrite"]
 
 
 def _check(args) -> None:
@@ -116,6 +132,16 @@ def _check(args) -> None:
         raise UserError(f"--retrieval must be in [0, 1), got {args.retrieval}")
     if not (Path(args.model) / "config.json").is_file():
         raise UserError(f"--model {args.model} has no config.json")
+    check_output("--out", args.out, folder=True)
+
+
+def _check_finetune(args, out: Path, model: Path, window: int) -> None:
+    """Step 2's settings validated as finetune will validate them (the schedule's name, the ranges), and the
+    target length, before the corpus is written."""
+    from .settings import parse_invocation
+
+    parse_length(f"{args.factor}x", window, "--factor")
+    parse_invocation(_finetune_argv(args, model, out, out / "corpus" / "finetune"))  # the flags share names
 
 
 @command("pose_mlx.demo")
@@ -124,6 +150,7 @@ def main(argv=None) -> int:
     _check(args)
     out, model = Path(args.out), Path(args.model)
     window = _window(model)
+    _check_finetune(args, out, model, window)
     target = window * args.factor
     print(f"[1/4] corpus: standard-library sources and {args.retrieval:g} retrieval documents -> {out / 'corpus'}")
     train, test = write_corpus(out / "corpus", args.test_docs, args.train_docs, min_chars=2000)
@@ -134,12 +161,7 @@ def main(argv=None) -> int:
     train = finetune_data.build(out / "corpus" / "finetune", train, load_tokenizer(model), out / "cache", window,
                                 args.retrieval, seed=0)
     print(f"[2/4] PoSE fine-tuning of {model} from {window} to {target} tokens ({args.factor}x) -> {out / 'pose'}")
-    code = finetune.main([
-        "--model", str(model), "--target", f"{args.factor}x", "--schedule", args.schedule, "--data", str(train),
-        "--full", "--lr", str(args.lr),
-        "--steps", str(args.steps), "--warmup", str(max(1, args.steps // 10)), "--batch-size", str(args.batch_size),
-        "--save-every", "0", "--cache-dir", str(out / "cache"), "--output", str(out / "pose"), "--overwrite",
-    ])
+    code = finetune.main(_finetune_argv(args, model, out, train))
     if code:
         return code
     print("[3/4] sliding-window perplexity on the held-out documents")

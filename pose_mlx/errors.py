@@ -4,7 +4,7 @@ Contract of a command: input the user can fix raises `UserError` anywhere below 
 turns it into ONE line on stderr, ``prog: error: message``, and exit code 2. Ctrl-C outside a training loop
 prints one line and exits with 130; so does work stopped by a signal after saving its state (`Stopped`), with
 128 + the signal's number. A full or read-only disk (and a permission denied) is the user's
-environment, not a bug: one line and exit code 2 as well. Every other exception is a bug and keeps its
+environment, not a bug: one line and exit code 2 as well; so is a path that cannot exist (a part of it is a file). Every other exception is a bug and keeps its
 traceback.
 """
 
@@ -13,11 +13,15 @@ from __future__ import annotations
 import argparse
 import errno
 import functools
+import os
 import sys
 from typing import Callable
 
 #: errno values of OSError that describe the user's machine (disk full, read-only, permissions), not a bug.
 ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT})
+#: errno values of OSError that describe a path the user gave which cannot exist (a part of it is a file, or it
+#: is too long): commands check their outputs up front (`pose_mlx.places`); this is the boundary's safety net.
+PATH_ERRNOS = frozenset({errno.ENOTDIR, errno.ENAMETOOLONG})
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
 
@@ -42,10 +46,36 @@ def one_line(message: object) -> str:
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose errors (unknown flag, bad value, missing argument) raise `UserError` instead of printing
-    the whole usage block and exiting."""
+    the whole usage block and exiting, and which refuses an argument that is not valid UTF-8 (bytes the
+    interpreter could only decode as surrogates: such a path could not be written into the JSON, logs and
+    messages the commands write). What follows a `--` is passed on untouched (`pose_mlx.launch`'s command)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        for i, arg in enumerate(args):
+            if arg == "--":
+                break
+            if isinstance(arg, str) and not is_utf8(arg):
+                flag, _, value = arg.partition("=") if arg.startswith("--") and "=" in arg else ("", "", arg)
+                if not flag and i and str(args[i - 1]).startswith("-"):
+                    flag = args[i - 1]
+                shown = ascii(os.fsencode(value))[1:]  # b'\xffdir' -> '\xffdir', one printable line
+                raise UserError(f"{flag or 'argument'} {shown} is not valid UTF-8; rename it or use "
+                                "another path")
+        return super().parse_known_args(args, namespace)
 
     def error(self, message):
         raise UserError(message)
+
+
+def is_utf8(text: str) -> bool:
+    """Whether `text` is valid Unicode: a command-line argument with bytes that are not UTF-8 is decoded into
+    lone surrogates, which no UTF-8 file can hold."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def command(prog: str) -> Callable:
@@ -60,7 +90,7 @@ def command(prog: str) -> Callable:
                 _report(prog, error)
                 return EXIT_USER_ERROR
             except OSError as error:
-                if error.errno not in ENVIRONMENT_ERRNOS:
+                if error.errno not in ENVIRONMENT_ERRNOS | PATH_ERRNOS:
                     raise
                 _report(prog, f"{error.strerror}: {error.filename}" if error.filename else error.strerror)
                 return EXIT_USER_ERROR
@@ -83,4 +113,5 @@ def _report(prog: str, message: object, kind: str = "error") -> None:
         pass
 
 
-__all__ = ["ArgumentParser", "EXIT_INTERRUPTED", "EXIT_USER_ERROR", "Stopped", "UserError", "command", "one_line"]
+__all__ = ["ArgumentParser", "EXIT_INTERRUPTED", "EXIT_USER_ERROR", "Stopped", "UserError", "command", "is_utf8",
+           "one_line"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import socket
@@ -32,15 +33,17 @@ from .errors import ArgumentParser, UserError, command
 
 #: Exit code of a rank killed by signal s (as a shell reports it).
 SIGNAL_EXIT = 128
+#: Most ranks started on one machine (each holds a loopback port and a process; a larger -n is a typo).
+MAX_RANKS = 256
 
 
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="python -m pose_mlx.launch", description=__doc__.split("\n")[0],
                             usage="python -m pose_mlx.launch -n N [--grace S] -- COMMAND ...")
-    parser.add_argument("-n", "--ranks", type=int, required=True, help="processes to start (>= 1)")
+    parser.add_argument("-n", "--ranks", type=int, required=True, help=f"processes to start (1 to {MAX_RANKS})")
     parser.add_argument("--grace", type=float, default=30.0,
-                        help="seconds the other ranks get to finish after one failed, before SIGTERM (and as much "
-                             "again before SIGKILL; default 30)")
+                        help="seconds (finite, >= 0) the other ranks get to finish after one failed, before SIGTERM "
+                             "(and as much again before SIGKILL; default 30)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command every rank runs (after --, which may be "
                                                                   "left out)")
     return parser
@@ -106,10 +109,11 @@ def supervise(procs: list[subprocess.Popen], grace: float) -> int:
 @command("pose_mlx.launch")
 def main(argv=None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    if args.ranks < 1:
-        raise UserError(f"-n {args.ranks}: the number of ranks must be at least 1")
-    if not args.grace >= 0:
-        raise UserError(f"--grace {args.grace}: must be a number of seconds >= 0")
+    if not 1 <= args.ranks <= MAX_RANKS:
+        raise UserError(f"-n {args.ranks}: the number of ranks must be at least 1 and at most {MAX_RANKS} on one "
+                        "machine (more: mlx.launch with a hostfile)")
+    if not (math.isfinite(args.grace) and args.grace >= 0):
+        raise UserError(f"--grace {args.grace}: must be a finite number of seconds >= 0")
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not cmd:
         raise UserError("no command to run: python -m pose_mlx.launch -n N -- COMMAND ...")

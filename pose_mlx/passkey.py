@@ -23,6 +23,7 @@ import numpy as np
 from . import haystack, longctx
 from .resumable import RecordLog
 from .errors import UserError, command
+from .places import check_output
 
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
@@ -244,6 +245,8 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     args = build_parser().parse_args(argv)
     longctx.check_chunk(args.chunk)
+    if args.output:
+        check_output("--output", args.output)
     if args.seed < 0:
         raise UserError(f"--seed must be >= 0, got {args.seed}")
     if args.trials > 100_000:

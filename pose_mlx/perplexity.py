@@ -24,6 +24,7 @@ import numpy as np
 from . import longctx
 from .training.data import chat_renderer, read_documents  # a text file, a .jsonl file, a folder of them, or a hub dataset
 from .errors import UserError, command
+from .places import check_output
 
 METRIC = "token-weighted perplexity: exp(total NLL / scored tokens), sliding windows of BOS + (W-1) tokens"
 
@@ -157,6 +158,8 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     args = build_parser().parse_args(argv)
     longctx.check_chunk(args.chunk)
+    if args.output:
+        check_output("--output", args.output)
     if args.stride < 1 or args.docs < 1:
         raise UserError("--stride and --docs must be >= 1")
     if args.min_doc_tokens is not None and args.min_doc_tokens < 1:

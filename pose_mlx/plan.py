@@ -35,6 +35,7 @@ from . import memory
 from .errors import UserError, command
 from .lengths import parse_length
 from .model import source
+from .places import check_output
 from .settings import RUN_FILE, Invocation, RunSettings, run_folder, save_run_file, saved_world_size
 from .training.distributed import World, init as init_world
 from .training.lora import LoraSpec
@@ -163,7 +164,11 @@ def _inside(path: Path, folder: Path) -> bool:
 
 
 def _check_places(plan: RunPlan) -> None:
-    """The output and its run folder never replace, contain or sit inside what the user gave us to read."""
+    """The output, its run folder and the token cache can be created (no part of them is a file), and the output
+    and its run folder never replace, contain or sit inside what the user gave us to read."""
+    check_output("--output", plan.output)
+    if plan.settings.sampler != "none":
+        check_output("--cache-dir", plan.settings.cache_dir, folder=True)
     model = _resolved(plan.model.path)
     data = _resolved(plan.settings.data) if plan.settings.data and Path(plan.settings.data).expanduser().exists() \
         else None

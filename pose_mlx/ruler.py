@@ -35,6 +35,7 @@ import numpy as np
 
 from . import errors, longctx
 from .errors import UserError
+from .places import check_output
 from .resumable import RecordLog
 from .ruler_tasks import DEPTH_MODES, TASKS, PromptBuilder, PromptTooShort, parse_tasks
 
@@ -322,6 +323,8 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     args = build_parser().parse_args(argv)
     tasks = _check_arguments(args)
+    if args.output:
+        check_output("--output", args.output)
     if args.lengths:
         longctx.parse_lengths(args.lengths, 1)  # the grammar, before loading ('x' lengths need the model)
     if args.haystack:

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from .errors import ArgumentParser, UserError
+from .places import check_output
 from .training.positions import CONTENT
 from .rope import SCHEDULES, scaled_inv_freq, schedule_parameters
 
@@ -408,6 +409,7 @@ def _resume_settings(given: dict) -> RunSettings:
     """The saved settings of the run at --output, with the given ones that may change applied."""
     if not given.get("output"):
         raise UserError("--resume needs --output (the folder the interrupted run was writing)")
+    check_output("--output", given["output"])
     path = run_folder(given["output"]) / RUN_FILE
     if not path.is_file() and (Path(given["output"]) / "pose_mlx.json").is_file():
         raise UserError(f"output folder {given['output']} is already complete; nothing to resume")
@@ -420,6 +422,10 @@ def _resume_settings(given: dict) -> RunSettings:
                         "a new run with --overwrite)")
     for key, (_, new) in changed.items():
         setattr(saved, key, new)
+    # The run folder is the one named now: run.json's output may name the folder a copied (or moved, or resumed
+    # from elsewhere) run folder came from, and that one is never touched. Model and data stay as saved: they are
+    # only read; so does the token cache, which is content-addressed (the same tokens wherever it lies).
+    saved.output = given["output"]
     return saved
 
 

@@ -2,13 +2,26 @@
 stderr (`<command>: error: ...` naming what is wrong), exit code 2, no traceback, and nothing written."""
 
 import errno
+import importlib.util
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
 from _finetune_helpers import text_dir, tiny_model  # noqa: F401
-from pose_mlx import demo, finetune, launch, passkey, perplexity
+from pose_mlx import convert, demo, finetune, launch, passkey, perplexity, plan, ruler
+from pose_mlx.sim import __main__ as sim
+
+
+def _coverage_tool():
+    spec = importlib.util.spec_from_file_location("coverage_tool", Path(__file__).parents[1] / "tools" / "coverage.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+coverage_tool = _coverage_tool()
 
 DEFAULT = ["--window", "16", "--steps", "3", "--no-progress"]
 
@@ -58,10 +71,26 @@ def place(tiny_model, text_dir, tmp_path_factory):
     cfg = {"model_type": "gpt2", "n_embd": 16, "n_head": 2, "n_layer": 1, "n_positions": 64, "n_ctx": 64,
            "vocab_size": 512, "layer_norm_epsilon": 1e-5}
     toy.save_model_folder(build_model(cfg, seed=0), cfg, toy.copy_tokenizer(tiny_model, root / "tok"), gpt2)
-    return {"model": tiny_model, "data": text_dir, "root": root, "bad-json": bad_json, "no-type": no_type,
+    configs = {}
+    for name, (key, value) in BAD_CONFIGS.items():  # config.json of the wrong JSON type
+        folder = configs[f"cfg-{name}"] = shutil.copytree(tiny_model, root / f"cfg-{name}")
+        good = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps([good] if key is None else {**good, key: value}))
+    return {**configs,"model": tiny_model, "data": text_dir, "root": root, "bad-json": bad_json, "no-type": no_type,
             "torn": torn, "no-tok": no_tok, "empty": root / "empty", "bin": root / "file.bin",
             "unreadable": unreadable, "jsonl": jsonl, "wrong": wrong_field, "short": short, "run": run,
             "gpt2": gpt2, **{f"yaml-{k}": v for k, v in yaml.items()}}
+
+
+#: config.json changes: (key, value), or (None, None) for a list where the object belongs.
+BAD_CONFIGS = {"list": (None, None), "hidden-word": ("hidden_size", "big"), "theta-null": ("rope_theta", None),
+               "heads-text": ("num_attention_heads", "4"), "layers-fraction": ("num_hidden_layers", 2.5),
+               "theta-zero": ("rope_theta", 0), "scaling-list": ("rope_scaling", [1, 2])}
+#: what the line names for each
+BAD_CONFIG_NAMES = {"list": "JSON list, not an object", "hidden-word": "hidden_size", "theta-null": "rope_theta",
+                    "heads-text": "num_attention_heads", "layers-fraction": "num_hidden_layers",
+                    "theta-zero": "rope_theta", "scaling-list": "rope_scaling"}
+NOT_UTF8 = "\udcff"  # the byte 0xff in a command line, as Python decodes it (surrogateescape)
 
 
 def _ft(*args):
@@ -185,7 +214,113 @@ CASES = [
     ("launch-no-command", launch.main, ["-n", "2"], "command"),
     ("launch-missing-program", launch.main, ["-n", "2", "--", "{root}/nowhere/python"], "cannot start"),
     ("launch-grace-negative", launch.main, ["-n", "2", "--grace", "-1", "--", "true"], "--grace"),
+    ("launch-grace-inf", launch.main, ["-n", "2", "--grace", "inf", "--", "true"], "--grace"),
+    ("launch-ranks-huge", launch.main, ["-n", "100000000", "--", "true"], "at most"),
 ]
+
+# An output, cache or run folder whose parent is a file: refused before anything is loaded or written.
+CASES += [
+    ("parent-file-ft-output", finetune.main, ["--model", "{model}", "--target", "4x", "--sampler", "none", "--output",
+                                              "{bin}/o"], "{bin} is a file, not a folder"),
+    ("parent-file-ft-output-deep", finetune.main, ["--model", "{model}", "--target", "4x", "--sampler", "none",
+                                                   "--output", "{bin}/a/b/o"], "{bin} is a file, not a folder"),
+    ("parent-file-ft-cache", *_ft("--model", "{model}", "--target", "4x", "--data", "{data}", "--cache-dir",
+                                  "{bin}/c", *DEFAULT), "--cache-dir"),
+    ("parent-file-ft-cache-is-file", *_ft("--model", "{model}", "--target", "4x", "--data", "{data}", "--cache-dir",
+                                          "{bin}", *DEFAULT), "is a file"),
+    ("parent-file-ft-resume", finetune.main, ["--resume", "--output", "{bin}/o"], "{bin} is a file, not a folder"),
+    ("parent-file-pk-output", passkey.main, ["--model", "{model}", "--output", "{bin}/p.json"], "--output"),
+    ("parent-file-ppl-output", perplexity.main, ["--model", "{model}", "--data", "{data}", "--output", "{bin}/p.json"],
+     "--output"),
+    ("parent-file-ruler-output", ruler.main, ["--model", "{model}", "--output", "{bin}/r.json"], "--output"),
+    ("parent-file-convert-out", convert.main, ["{bin}", "{bin}/converted"], "{bin} is a file, not a folder"),
+    ("parent-file-sim-out", sim.main, ["--quick", "--out", "{bin}/sim"], "--out"),
+    ("parent-file-demo-out", demo.main, ["--out", "{bin}/demo"], "--out"),
+    ("parent-file-coverage-out", coverage_tool.main, ["--out", "{bin}/cov"], "--out"),
+]
+# Bytes that are not UTF-8 in a path: refused by every command's parser, the flag named.
+CASES += [
+    (f"not-utf8-{name}", main, [a.replace("@", NOT_UTF8) for a in argv], fragment)
+    for name, main, argv, fragment in [
+        ("ft-output", finetune.main, ["--model", "{model}", "--target", "4x", "--sampler", "none", "--output",
+                                      "{out}/@dir"], "--output '{out}/\\xffdir' is not valid UTF-8"),
+        ("ft-output-equals", finetune.main, ["--model", "{model}", "--target", "4x", "--sampler", "none",
+                                             "--output={out}/@dir"], "--output"),
+        ("ft-data", finetune.main, ["--model", "{model}", "--target", "4x", "--data", "@", "--output", "{out}/o"],
+         "--data '\\xff' is not valid UTF-8"),
+        ("ft-cache", finetune.main, ["--model", "{model}", "--target", "4x", "--data", "{data}", "--output", "{out}/o",
+                                     "--cache-dir", "{out}/@c", *DEFAULT], "--cache-dir"),
+        ("ft-model", finetune.main, ["--model", "@", "--target", "4x"], "--model"),
+        ("plan-model", plan.main, ["--model", "@", "--target", "4x"], "--model"),
+        ("pk-output", passkey.main, ["--model", "{model}", "--output", "{out}/@.json"], "--output"),
+        ("ppl-data", perplexity.main, ["--model", "{model}", "--data", "{root}/@"], "--data"),
+        ("ppl-output", perplexity.main, ["--model", "{model}", "--data", "{data}", "--output", "{out}/@.json"],
+         "--output"),
+        ("ruler-output", ruler.main, ["--model", "{model}", "--output", "{out}/@.json"], "--output"),
+        ("ruler-haystack", ruler.main, ["--model", "{model}", "--haystack", "{root}/@"], "--haystack"),
+        ("convert-out", convert.main, ["{bin}", "{out}/@"], "argument '{out}/\\xff' is not valid UTF-8"),
+        ("convert-gguf", convert.main, ["{root}/@.gguf", "{out}/c"], "is not valid UTF-8"),
+        ("sim-out", sim.main, ["--quick", "--out", "{out}/@sim"], "--out"),
+        ("sim-corpus", sim.main, ["--quick", "--out", "{out}/sim", "--corpus", "{root}/@"], "--corpus"),
+        ("demo-out", demo.main, ["--out", "{out}/@demo"], "--out"),
+        ("demo-model", demo.main, ["--out", "{out}/demo", "--model", "{root}/@"], "--model"),
+        ("coverage-out", coverage_tool.main, ["--out", "{out}/@cov"], "--out"),
+    ]
+]
+# A model config of the wrong JSON type, for every command that reads a model (before any weight is read).
+CASES += [
+    (f"config-{kind}-{name}", main, [a.replace("@", f"{{cfg-{kind}}}") for a in argv], BAD_CONFIG_NAMES[kind])
+    for kind in BAD_CONFIGS
+    for name, main, argv in [
+        ("ft-none", finetune.main, ["--model", "@", "--target", "128", "--original", "32", "--sampler", "none",
+                                    "--output", "{out}/o"]),
+        ("ft-pose", finetune.main, ["--model", "@", "--target", "128", "--original", "32", "--data", "{data}",
+                                    "--output", "{out}/o", "--cache-dir", "{out}/cache", *DEFAULT]),
+        ("plan", plan.main, ["--model", "@", "--target", "128", "--original", "32"]),
+        ("pk", passkey.main, ["--model", "@", "--output", "{out}/p.json"]),
+        ("ppl", perplexity.main, ["--model", "@", "--data", "{data}", "--output", "{out}/p.json"]),
+        ("ruler", ruler.main, ["--model", "@", "--output", "{out}/r.json"]),
+        ("demo", demo.main, ["--out", "{out}/demo", "--model", "@"]),
+    ]
+]
+# Simulator and demo settings out of range: validated once, before --out is created.
+CASES += [
+    (f"sim-{name}", sim.main, ["--quick", "--out", "{out}/sim", flag, value], fragment)
+    for name, flag, value, fragment in [
+        ("rope-base-zero", "--rope-base", "0", "--rope-base"), ("rope-base-negative", "--rope-base", "-5", "--rope-base"),
+        ("rope-base-nan", "--rope-base", "nan", "--rope-base"), ("rope-base-inf", "--rope-base", "inf", "--rope-base"),
+        ("heads-not-dividing", "--heads", "3", "--heads 3 must divide --hidden 32"),
+        ("lr-nan", "--lr", "nan", "--lr"), ("lr-inf", "--lr", "inf", "--lr"), ("lr-zero", "--lr", "0", "--lr"),
+        ("pretrain-lr-nan", "--pretrain-lr", "nan", "--pretrain-lr"),
+        ("pretrain-lr-negative", "--pretrain-lr=-1e-3", None, "--pretrain-lr"),
+        ("val-fraction-above", "--val-fraction", "1.5", "--val-fraction"),
+        ("val-fraction-negative", "--val-fraction=-0.1", None, "--val-fraction"),
+        ("val-fraction-nan", "--val-fraction", "nan", "--val-fraction"),
+        ("retrieval-fraction-above", "--retrieval-fraction", "2", "--retrieval-fraction"),
+        ("finetune-retrieval-negative", "--finetune-retrieval=-0.5", None, "--finetune-retrieval"),
+        ("seed-negative", "--seed=-1", None, "--seed"), ("seed-huge", "--seed", str(2**40), "--seed"),
+        ("window-zero", "--window", "0", "--window"), ("window-one", "--window", "1", "--window"),
+        ("hidden-negative", "--hidden=-4", None, "--hidden"), ("vocab-small", "--vocab", "100", "--vocab"),
+        ("corpus-chars-zero", "--corpus-chars", "0", "--corpus-chars"),
+        ("factor-one", "--factor", "1", "--factor"), ("steps-zero", "--steps", "0", "--steps"),
+        ("corpus-missing", "--corpus", "{root}/nowhere", "--corpus"),
+        ("pretrained-missing", "--pretrained", "{root}/nowhere", "--pretrained"),
+        ("out-is-a-file", "--out", "{bin}", "is a file"),
+        # validated, but the corpus is refused while it is read: the --out this run made is removed again
+        ("corpus-too-small", "--corpus", "{short}", "documents"),
+    ]
+]
+CASES += [
+    (f"demo-{name}", demo.main, ["--out", "{out}/demo", flag, value], fragment)
+    for name, flag, value, fragment in [
+        ("lr-nan", "--lr", "nan", "--lr"), ("lr-inf", "--lr", "inf", "--lr"),
+        ("retrieval-above", "--retrieval", "1.5", "--retrieval"), ("retrieval-nan", "--retrieval", "nan", "--retrieval"),
+        ("factor-zero", "--factor", "0", "--factor"), ("factor-huge", "--factor", "100000000", "--factor"),
+        ("steps-huge", "--steps", str(10**10), "--steps"), ("batch-negative", "--batch-size=-1", None, "--batch-size"),
+        ("schedule-unknown", "--schedule", "bogus", "--schedule"), ("out-is-a-file", "--out", "{bin}", "is a file"),
+    ]
+]
+CASES = [(name, main, [a for a in argv if a is not None], fragment) for name, main, argv, fragment in CASES]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -203,7 +338,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(place, tmp_path, capsys
     lines = [line for line in err.splitlines() if line.strip() and not line.startswith("warning:")]
     assert code == 2, err
     assert len(lines) == 1 and "Traceback" not in err and ": error: " in lines[0], err
-    assert fragment in lines[0], lines[0]
+    assert fragment.format(**values) in lines[0], lines[0]
     assert [p.name for p in out.iterdir()] == [], "something was written"
     assert {p for p in place["root"].rglob("*")} == before
 

@@ -4,6 +4,7 @@ of an uninterrupted run (<= 1e-5). Runs the real CLI in subprocesses."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -69,3 +70,54 @@ def test_killed_run_resumes_with_identical_losses(reference, tiny_model, text_di
     assert [r["step"] for r in log] == list(range(1, STEPS + 1))
     np.testing.assert_allclose([r["loss"] for r in log], reference, atol=1e-5, rtol=0)
     assert not (tmp_path / "out.partial").exists()
+
+
+def _tree(folder):
+    """{relative path: bytes} of every file under `folder` (and the set of folders, as None)."""
+    return {str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else None) for p in sorted(folder.rglob("*"))}
+
+
+def test_resume_acts_on_the_named_copy_not_on_the_folder_in_run_json(tiny_model, text_dir, tmp_path, monkeypatch,
+                                                                     capsys):
+    """`cp -r run.partial backup.partial; --resume --output backup` resumes the copy and exports `backup`, although
+    the copy's run.json names `run`: the original run folder stays byte for byte as it was, `run` never appears,
+    and the copy's losses are those of an uninterrupted run (so it was resumed, not restarted)."""
+    import pose_mlx.training.loop as loop
+    from pose_mlx import finetune
+
+    steps, stop_at = 8, 4
+
+    def argv(out, *extra):
+        return ["--model", str(tiny_model), "--target", "4x", "--data", str(text_dir), "--output", str(out),
+                "--cache-dir", str(tmp_path / "cache"), "--window", "16", "--steps", str(steps), "--lr", "3e-3",
+                "--warmup", "2", "--save-every", "3", "--batch-size", "2", "--lora-layers", "1", "--no-progress",
+                *extra]
+
+    assert finetune.main(argv(tmp_path / "reference")) == 0
+    reference = [r["loss"] for r in read_log(tmp_path / "reference" / "train_log.jsonl")]
+
+    append = loop.append_log
+
+    def ctrl_c_at_step(log, record):  # Ctrl-C arriving during step `stop_at`: the loop saves it and stops
+        append(log, record)
+        if record["step"] == stop_at:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    run, backup = tmp_path / "run", tmp_path / "backup"
+    with monkeypatch.context() as patch:
+        patch.setattr(loop, "append_log", ctrl_c_at_step)
+        assert finetune.main(argv(run)) == 128 + signal.SIGINT
+    capsys.readouterr()
+    original = tmp_path / "run.partial"
+    assert json.loads((original / "checkpoint" / "state.json").read_text())["step"] == stop_at
+    shutil.copytree(original, tmp_path / "backup.partial")
+    before = _tree(original)
+
+    assert finetune.main(["--resume", "--output", str(backup)]) == 0, capsys.readouterr().err
+    assert _tree(original) == before, "the run folder the copy came from was changed"
+    assert not run.exists() and not (tmp_path / ".run.lock").exists()
+    assert not (tmp_path / "backup.partial").exists() and (backup / "pose_mlx.json").is_file()
+    log = read_log(backup / "train_log.jsonl")
+    assert [r["step"] for r in log] == list(range(1, steps + 1))
+    np.testing.assert_allclose([r["loss"] for r in log], reference, atol=1e-5, rtol=0)
+    assert json.loads((backup / "run.json").read_text())["settings"]["output"] == str(backup)

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pose_mlx.errors import UserError
 from pose_mlx.training.data import TokenizedCorpus
 from pose_mlx.sim import __main__ as sim
 from pose_mlx.sim import claims
@@ -322,16 +323,16 @@ def test_config_base_matches_llama2_ratio_and_validates():
     assert (config.window, config.target, config.base, config.window_batch) == (128, 1024, 312.5, 32)
     assert parse_config(["--quick"]).out == "out/sim-quick"
     assert parse_config([]).prose == "none"  # with the prose the default base fails its passkey gate
-    with pytest.raises(ValueError, match="--prose"):
+    with pytest.raises(UserError, match="--prose"):
         parse_config(["--prose", "/no/such/folder"])
     from pose_mlx.sim.corpus import DEFAULT_PROSE, resolve_prose
 
     assert resolve_prose("none", None) is None and resolve_prose("auto", "/some/corpus") is None
     assert resolve_prose("auto", None) == (DEFAULT_PROSE if DEFAULT_PROSE.is_dir() else None)
     assert resolve_prose("/x/docs", None) == Path("/x/docs")
-    with pytest.raises(ValueError, match="--retrieval-fraction"):
+    with pytest.raises(UserError, match="--retrieval-fraction"):
         parse_config(["--retrieval-fraction", "1"])
-    with pytest.raises(ValueError, match="--test-tokens"):
+    with pytest.raises(UserError, match="--test-tokens"):
         parse_config(["--test-tokens", "1000"])
 
 

@@ -136,14 +136,63 @@ def read_config(ref: ModelRef) -> dict:
     if ref.is_gguf:
         from .gguf import config_from_gguf
 
-        return config_from_gguf(ref.path)
+        return check_config(config_from_gguf(ref.path), ref.name)
     path = ref.config_file or ref.path / "config.json"
     try:
         config = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise UserError(f"--model {ref.name}: config.json is not valid JSON ({error})") from None
-    if not isinstance(config, dict) or "model_type" not in config:
+    if not isinstance(config, dict):
+        raise UserError(f"--model {ref.name}: config.json holds a JSON {type(config).__name__}, not an object; "
+                        "is this a model folder?")
+    if "model_type" not in config:
         raise UserError(f"--model {ref.name}: config.json has no 'model_type'; is this a model folder?")
+    return check_config(config, ref.name)
+
+
+#: config keys that are a positive whole number wherever they appear (None allowed: the model's default).
+_POSITIVE_INT_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                      "intermediate_size", "vocab_size", "max_position_embeddings", "head_dim",
+                      "original_max_position_embeddings", "n_embd", "n_layer", "n_head", "n_positions")
+_NULLABLE = ("num_key_value_heads", "head_dim")
+#: config keys that are a RoPE base: a finite number > 1 (theta_j = base^(-2j/d) must decrease with j).
+_BASE_KEYS = ("rope_theta", "rope_local_base_freq")
+
+
+def check_config(config: dict, name: str) -> dict:
+    """`config` when the keys the model is built from have their JSON types (sizes are positive integers, a
+    RoPE base a finite number > 1, rope_scaling an object or null; also inside a multimodal `text_config`);
+    UserError naming the first bad key otherwise. mlx-lm would fail on them deep inside, or not at all."""
+    import math
+
+    scopes = [("", config)]
+    if isinstance(config.get("text_config"), dict):
+        scopes.append(("text_config.", config["text_config"]))
+    for prefix, scope in scopes:
+        for key in _POSITIVE_INT_KEYS:
+            if key not in scope or (scope[key] is None and key in _NULLABLE):
+                continue
+            value = scope[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise UserError(f"--model {name}: config.json: {prefix}{key} must be a positive whole number, "
+                                f"got {value!r}")
+        for key in _BASE_KEYS:
+            if key not in scope:
+                continue
+            value = scope[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value)
+                                                                                       and value > 1):
+                raise UserError(f"--model {name}: config.json: {prefix}{key} (the RoPE base) must be a finite "
+                                f"number > 1, got {value!r}")
+        for key in ("rope_scaling", "rope_parameters"):
+            if scope.get(key) is not None and not isinstance(scope[key], dict):
+                raise UserError(f"--model {name}: config.json: {prefix}{key} must be an object or null, got "
+                                f"{scope[key]!r}")
+            factor = (scope.get(key) or {}).get("factor")
+            if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))
+                                       or not (math.isfinite(factor) and factor > 0)):
+                raise UserError(f"--model {name}: config.json: {prefix}{key}.factor must be a finite number > 0, "
+                                f"got {factor!r}")
     return config
 
 
@@ -247,6 +296,6 @@ def load(ref: ModelRef | str | Path, *, return_config: bool = False, apply_sched
     return (model, tokenizer, config) if return_config else (model, tokenizer)
 
 
-__all__ = ["ALIASES", "ModelRef", "SCHEDULE_FILE", "TOKENIZER_FILES", "build_model", "describe_aliases", "load",
-           "hub_reachable", "model_classes", "original_window", "quiet_transformers", "read_config", "resolve",
+__all__ = ["ALIASES", "ModelRef", "SCHEDULE_FILE", "TOKENIZER_FILES", "build_model", "check_config", "describe_aliases",
+           "hub_reachable", "load", "model_classes", "original_window", "quiet_transformers", "read_config", "resolve",
            "shipped_config"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
 import signal
 import sys
 import time
@@ -149,23 +150,30 @@ def _use_pretrained(pretrained: str, model: Path, made: dict) -> None:
 @command("pose_mlx.sim")
 def main(argv=None) -> int:
     t0 = time.perf_counter()
-    try:
-        config = parse_config(argv)
-    except ValueError as error:  # a setting out of range: the user's to fix
-        raise UserError(error) from None
+    config = parse_config(argv)  # every setting checked before anything is created
     out = Path(config.out)
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     runs = grid_runs(config.factor)
     stages = Stages(_weights(config, runs), record=out / "stage_seconds.json")
     data, cache = out / "corpus", out / "cache"
 
-    def do_corpus():
+    def do_corpus():  # built aside and moved into place: a refused corpus leaves nothing behind
+        building = out / ".corpus.tmp"
+        shutil.rmtree(building, ignore_errors=True)
         try:
-            corpus_mod.build_corpus(data, config.corpus, config.corpus_chars, config.test_docs, config.test_tokens,
-                                    config.val_fraction, config.vocab, config.seed,
+            corpus_mod.build_corpus(building, config.corpus, config.corpus_chars, config.test_docs,
+                                    config.test_tokens, config.val_fraction, config.vocab, config.seed,
                                     corpus_mod.resolve_prose(config.prose, config.corpus))
-        except ValueError as error:  # --corpus missing, empty, too few or too short documents
-            raise UserError(error) from None
+        except BaseException as error:
+            shutil.rmtree(building, ignore_errors=True)
+            if created:  # this run made --out, and nothing is in it yet
+                shutil.rmtree(out, ignore_errors=True)
+            if isinstance(error, ValueError):  # --corpus empty, too few or too short documents
+                raise UserError(error) from None
+            raise
+        shutil.rmtree(data, ignore_errors=True)  # a corpus without corpus.json: left by a killed run
+        building.replace(data)
 
     stages.run("corpus", lambda: (data / "corpus.json").is_file(), do_corpus)
     tokenizer = corpus_mod._hf_tokenizer(data / "tokenizer")

@@ -7,7 +7,8 @@ import math
 from pathlib import Path
 from dataclasses import asdict, dataclass, fields
 
-from ..errors import ArgumentParser
+from ..errors import ArgumentParser, UserError
+from ..places import check_output
 
 #: Llama-2's ratio of pre-training window to longest RoPE wavelength, 4096 / (2 pi 10^4).
 LLAMA2_RATIO = 4096 / (2 * math.pi * 1e4)
@@ -155,31 +156,60 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_config(argv=None) -> SimConfig:
-    """Flags -> SimConfig: the defaults, overlaid with QUICK under --quick, then the flags given."""
+    """Flags -> SimConfig: the defaults, overlaid with QUICK under --quick, then the flags given; validated
+    (`validate`) before anything is created."""
     args = build_parser().parse_args(argv)
     values = dict(QUICK) if args.quick else {}
     if args.quick and args.out is None:
         values["out"] = "out/sim-quick"
     values.update({k: v for k, v in vars(args).items() if k != "quick" and v is not None})
     config = SimConfig(**values)
+    validate(config)
+    return config
+
+
+#: The largest seed finetune takes (`pose_mlx.settings`); the simulator's runs use seed .. seed + seeds - 1.
+MAX_SEED = 2**32 - 1
+
+
+def validate(config: SimConfig) -> None:
+    """Every setting in range, every folder named where it can be: UserError naming the flag otherwise."""
     for name in ("window", "factor", "vocab", "hidden", "layers", "heads", "ffn", "pretrain_steps",
                  "pretrain_batch", "steps", "full_batch", "cost_steps", "passkey_trials", "ruler_samples",
                  "test_docs", "eval_docs", "seeds"):
         if getattr(config, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(config, name)}")
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(config, name)}")
+    if config.vocab <= 260:  # pose_mlx.toy.train_tokenizer: 256 byte pieces, 4 specials, then merges
+        raise UserError(f"--vocab must be more than 260 (256 byte pieces + 4 special pieces), got {config.vocab}")
+    if config.window < 2:
+        raise UserError(f"--window must be >= 2 (PoSE's two chunks), got {config.window}")
     if config.factor < 2:
-        raise ValueError(f"--factor must be >= 2, got {config.factor}")
-    if not 0 <= config.retrieval_fraction < 1:
-        raise ValueError(f"--retrieval-fraction must be in [0, 1), got {config.retrieval_fraction}")
-    if not 0 <= config.finetune_retrieval < 1:
-        raise ValueError(f"--finetune-retrieval must be in [0, 1), got {config.finetune_retrieval}")
+        raise UserError(f"--factor must be >= 2, got {config.factor}")
+    if config.corpus_chars is not None and config.corpus_chars < 1:
+        raise UserError(f"--corpus-chars must be >= 1, got {config.corpus_chars}")
+    if config.hidden % config.heads or (config.hidden // config.heads) % 2:
+        raise UserError(f"--heads {config.heads} must divide --hidden {config.hidden} into heads of an even width "
+                        "(RoPE rotates pairs of dimensions)")
+    if config.rope_base is not None and not (math.isfinite(config.rope_base) and config.rope_base > 1):
+        raise UserError(f"--rope-base must be a finite number > 1, got {config.rope_base:g}")
+    for name in ("lr", "pretrain_lr"):
+        if not (math.isfinite(getattr(config, name)) and getattr(config, name) > 0):
+            raise UserError(f"--{name.replace('_', '-')} must be a finite number > 0, got {getattr(config, name):g}")
+    for name in ("val_fraction", "retrieval_fraction", "finetune_retrieval"):
+        if not 0 <= getattr(config, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(config, name):g}")
+    if not 0 <= config.seed <= MAX_SEED - config.seeds + 1:
+        raise UserError(f"--seed must be between 0 and {MAX_SEED - config.seeds + 1} (the runs use --seed .. "
+                        f"--seed + --seeds - 1), got {config.seed}")
+    if config.corpus is not None and not Path(config.corpus).expanduser().exists():
+        raise UserError(f"--corpus {config.corpus}: no such file or folder")
     if config.prose not in ("auto", "none") and not Path(config.prose).is_dir():
-        raise ValueError(f"--prose {config.prose}: not a folder (or use auto / none)")
+        raise UserError(f"--prose {config.prose}: not a folder (or use auto / none)")
     if config.pretrained not in ("shipped", "none") and not (Path(config.pretrained) / "pretrain.json").is_file():
-        raise ValueError(f"--pretrained {config.pretrained}: not a pre-trained base (no pretrain.json; or use "
-                         "shipped / none)")
+        raise UserError(f"--pretrained {config.pretrained}: not a pre-trained base (no pretrain.json; or use "
+                        "shipped / none)")
     if config.eval_docs > config.test_docs:
-        raise ValueError(f"--eval-docs ({config.eval_docs}) must be <= --test-docs ({config.test_docs})")
+        raise UserError(f"--eval-docs ({config.eval_docs}) must be <= --test-docs ({config.test_docs})")
     if config.test_tokens < config.target:
-        raise ValueError(f"--test-tokens ({config.test_tokens}) must be >= the target {config.target}")
-    return config
+        raise UserError(f"--test-tokens ({config.test_tokens}) must be >= the target {config.target}")
+    check_output("--out", config.out, folder=True)
