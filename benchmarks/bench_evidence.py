@@ -14,7 +14,8 @@ Every run of the protocol is evaluated with the project's own commands and the S
   `tests`, and for each of the protocol's runs its confirmation numbers (`passkey`, `passkey_trials`,
   `ppl_unseen`, `ppl`, `ruler`, the devices) on top of its entry in `runs`, the exploratory stage's numbers
   (`bench_real_model.py`, which keeps them there) under its `exploratory` key; and `protocol/report.md`,
-  `protocol/passkey.png`.
+  `protocol/passkey.png`; then it brings `sim_agreement` (the simulator's ranking of the methods against the real
+  model's, `sim_agreement.py`) up to date in both results.json files and the simulator's report.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_real_model import DOCS, OUT, corpus, model_file, run  # noqa: E402
 from common import write_results  # noqa: E402
 from protocol import PROTOCOLS, difference_tests, discordant, load_protocol  # noqa: E402
+from sim_agreement import refresh as refresh_sim_agreement  # noqa: E402
 
 from pose_mlx.analysis.stats import wilson  # noqa: E402
 
@@ -368,6 +370,9 @@ def main(argv=None) -> int:
     write_results("real_model", {k: v for k, v in results.items() if k != "benchmark"}, results_path)
     report = write_report(protocol, runs, tests, results["headline"])
     print(f"wrote {results_path} and {report}", flush=True)
+    agreement = refresh_sim_agreement(real=results_path)  # the simulator's ranking against these runs, too
+    print(f"sim_agreement: perplexity tau {agreement['ppl_tau']}, passkey tau {agreement['passkey_tau']} over "
+          f"{', '.join(agreement['methods'])}", flush=True)
     return 0
 
 

@@ -81,13 +81,26 @@ def test_quick_numbers_come_from_the_evaluators_and_finetune(quick):
     for name, run in results["runs"].items():
         ppl = json.loads((quick / "eval" / f"{name}.ppl.json").read_text())["results"]
         assert run["ppl"] == {str(r["length"]): r["ppl"] for r in ppl}
+        if run["spec"]["sampler"] == "plain":  # the adapt-* controls: one ordinary fine-tuning, extended at load
+            schedule = json.loads((quick / "runs" / "adapt" / "pose_mlx.json").read_text())["schedule"]
+            assert schedule["schedule"] == "none" and schedule["target"] == c["target"]
+            assert json.loads((quick / "eval" / f"{name}.ppl.json").read_text())["schedule"] == \
+                f"{run['spec']['scaling']} x8 (--schedule, after plain fine-tuning)"
+            continue
         schedule = json.loads((quick / "runs" / name / "pose_mlx.json").read_text())["schedule"]
         assert schedule["schedule"] == run["spec"]["scaling"] and schedule["target"] == c["target"]
+        if name == "pose-yarn-notemp":  # PoSE + YaRN with its frequencies only
+            assert schedule["params"] == {"attention_factor": 1.0} and run["spec"]["params"] == "attention_factor=1"
     # same tokens per update: full_batch sequences of Lt tokens or full_batch * Lt / Lc of Lc tokens (L-1 targets each)
     assert results["runs"]["full-linear"]["cost"]["tokens_per_step"] == c["full_batch"] * (c["target"] - 1)
     assert results["runs"]["pose-linear"]["cost"]["tokens_per_step"] == \
         c["full_batch"] * c["target"] // c["window"] * (c["window"] - 1)
     assert results["runs"]["original"]["cost"] is None  # --method none: no training
+    # the controls train like PoSE (same data, updates, tokens per update) with positions 0..Lc-1, one folder
+    assert results["runs"]["adapt-yarn"]["cost"] == results["runs"]["adapt-dynamic"]["cost"]
+    assert results["runs"]["adapt-yarn"]["cost"]["tokens_per_step"] == results["runs"]["pose-linear"]["cost"][
+        "tokens_per_step"]
+    assert "sim_agreement" in results and "## Agreement with the real model" in (quick / "report.md").read_text()
     # cost runs: the paper's setting, full_batch sequences per update for both methods (L-1 targets each)
     for method, length in (("pose", lambda target: c["window"]), ("full", lambda target: target)):
         table = results["cost_vs_target"][method]
@@ -275,6 +288,41 @@ def test_quick_runs_end_to_end_on_another_corpus(invented_library, tmp_path):
     assert "def " not in train and "import" not in train  # nothing of the default corpus
 
 
+def test_reuse_results_runs_only_what_the_earlier_run_lacks(quick, tmp_path, capsys):
+    """--reuse-results: an earlier results.json without a run (as before the run joined the grid) gives the same
+    results, with only that run's stages run; one made with other settings is refused in one line."""
+    before = json.loads((quick / "results.json").read_text())
+    prior = json.loads(json.dumps(before))
+    for key in ("runs", "ppl", "passkey", "nll_by_position"):
+        del prior[key]["pose-yarn-notemp"]
+    prior["stage_seconds"] = {k: v for k, v in prior["stage_seconds"].items() if not k.endswith("pose-yarn-notemp")}
+    (tmp_path / "prior").mkdir()
+    path = tmp_path / "prior" / "results.json"
+    path.write_text(json.dumps(prior))
+    out, base = tmp_path / "again", ["--pretrained", str(quick / "pretrained")]
+    capsys.readouterr()
+    assert sim.main(["--quick", "--prose", "auto", "--out", str(out), *base, "--reuse-results", str(path)]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    ran = {line.split("] ", 1)[1].split(":")[0] for line in lines if line.endswith(": running")}
+    assert ran == {"corpus", "gates", "finetune data 32", "finetune data 256", "finetune pose-yarn-notemp",
+                   "evaluate pose-yarn-notemp", "nll pose-yarn-notemp"}
+    assert sum(line.endswith(f": taken from {path}") for line in lines) > 50
+    after = json.loads((out / "results.json").read_text())
+    for key in ("runs", "ppl", "passkey", "nll_by_position", "ruler", "cost_vs_target", "claims", "gates"):
+        assert after[key] == before[key], key
+    assert list(after["runs"]) == list(before["runs"])  # the grid's order, the new run in its place
+    assert set(after["stage_seconds"]) == set(before["stage_seconds"])  # reused stages keep their recorded time
+    assert after["stage_seconds"]["finetune pose-linear"] == before["stage_seconds"]["finetune pose-linear"]
+    assert "reuse_results" not in after["config"] and after["config"] == before["config"] | {"out": str(out),
+                                                                                 "pretrained": base[1]}
+    heatmap = "passkey_heatmap_pose-yarn.png"
+    assert (out / heatmap).read_bytes() == (quick / heatmap).read_bytes()
+    assert sim.main(["--quick", "--prose", "auto", "--seeds", "1", "--out", str(tmp_path / "other"), *base,
+                     "--reuse-results", str(path)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"pose_mlx.sim: error: --reuse-results {path}: made with other settings (seeds)"]
+
+
 def test_bad_corpus_is_one_line_and_exit_2(tmp_path, capsys):
     assert sim.main(["--quick", "--corpus", str(tmp_path / "missing"), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -371,8 +419,14 @@ def test_claim_e_and_c():
     assert claims.claim_e(_results({}, cost))["held"] is True
     cost["full"]["16"]["seconds_per_step"] = 1.4
     assert claims.claim_e(_results({}, cost))["held"] is False
-    passkey = {"pose-linear": {"4": 1.0, "8": 0.9}, "original": {"4": 0.96, "8": 0.1}}
-    assert claims.claim_c(_results({}, passkey=passkey), [4, 8])["held"] is True
+    passkey = {"pose-yarn": {"4": 1.0, "8": 0.9}, "original": {"4": 0.96, "8": 0.1},
+               "pose-linear": {"4": 0.0, "8": 0.0}}
+    c = claims.claim_c(_results({}, passkey=passkey), [4, 8])
+    assert c["held"] is True  # judged on PoSE + YaRN; PoSE + PI is the ablation, reported beside it
+    assert "PoSE + YaRN 4: 1.00, 8: 0.90" in c["detail"] and "PoSE + PI (ablation, not judged) 4: 0.00" in c["detail"]
+    passkey["pose-yarn"]["8"] = 0.85
+    assert claims.claim_c(_results({}, passkey=passkey), [4, 8])["held"] is False
+    passkey["pose-yarn"]["8"] = 0.9
     passkey["original"]["4"] = 0.94  # the base does not retrieve within its own window
     assert claims.claim_c(_results({}, passkey=passkey), [4, 8])["held"] is False
     passkey["original"].update({"4": 1.0, "8": 0.2})

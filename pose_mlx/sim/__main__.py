@@ -13,10 +13,12 @@ from pathlib import Path
 from . import SHIPPED_BASE
 from . import corpus as corpus_mod
 from . import finetune_data, gates, position_nll
+from .agreement import agreement, real_results
 from .claims import check_claims, seed_statistics
 from .config import SimConfig, parse_config
 from .grid import (RULER_RUNS, RULER_TASKS, Run, collect, evaluate_passkey, evaluate_perplexity, evaluate_ruler,
-                   finetune_args, grid_runs, passkey_template_tokens, ruler_lengths, run_finetune)
+                   finetune_args, grid_runs, load_args, load_schedule, passkey_template_tokens, ruler_lengths,
+                   run_finetune)
 from .pretrain import made_with, pretrain, reuse_base
 from .report import plots, write_report
 from .stages import Stages
@@ -69,7 +71,7 @@ def _weights(config: SimConfig, runs: list[Run]) -> dict[str, float]:
         factor = run.factor or config.factor
         tokens = config.full_batch * config.window * (1 if run.cost_only and run.sampler == "pose" else factor)
         attention = 2.6 if run.sampler == "full" else 1.0  # attention over Lt tokens (measured: 2.6x at 8x)
-        w[f"finetune {name}"] = steps * tokens * attention + 1
+        w[f"finetune {_seed_name(run.folder, seed, config)}"] = steps * tokens * attention + 1
         if not run.cost_only:
             windows = sum(n / min(config.eval_stride, n - 1) for n in config.lengths)  # tokens per scored token
             w[f"evaluate {name}"] = config.eval_docs * config.test_tokens * windows / 2 + 1
@@ -115,10 +117,15 @@ def _finetune_data(stages: Stages, config: SimConfig, runs: list[Run], out: Path
 
 
 def _position_curves(stages: Stages, config: SimConfig, runs: list[Run], out: Path, model: Path,
-                     cache: Path) -> dict:
-    """{run: per-position NLL curve at Lt} (`pose_mlx.sim.position_nll`) of every evaluated run."""
+                     cache: Path, prior: dict, take) -> dict:
+    """{run: per-position NLL curve at Lt} (`pose_mlx.sim.position_nll`) of every evaluated run; those in `prior`
+    (--reuse-results) taken from it."""
     curves, docs = {}, []
     for run in (r for r in runs if not r.cost_only):
+        if run.name in prior:
+            take(f"nll {run.name}")
+            curves[run.name] = prior[run.name]
+            continue
         output = out / "eval" / f"{run.name}.nll.json"
 
         def measure(run=run, output=output):
@@ -127,7 +134,8 @@ def _position_curves(stages: Stages, config: SimConfig, runs: list[Run], out: Pa
 
                 docs.extend(gates.test_documents(out / "corpus" / "test", load_tokenizer(model), cache,
                                                  config.window))
-            position_nll.measure(out / "runs" / run.name, docs, config.target, nll_bin(config), output)
+            position_nll.measure(out / "runs" / run.folder, docs, config.target, nll_bin(config), output,
+                                 *load_schedule(run, config.factor))
 
         stages.run(f"nll {run.name}", output.is_file, measure)
         curves[run.name] = json.loads(output.read_text())
@@ -145,6 +153,31 @@ def _use_pretrained(pretrained: str, model: Path, made: dict) -> None:
         print(f"pretrain: not using the shipped base ({why_not})", flush=True)
     else:
         raise UserError(f"--pretrained {source}: {why_not}")
+
+
+def _prior(config: SimConfig, results: dict, out: Path) -> dict:
+    """--reuse-results: the earlier run's results.json, checked to have been made with this run's settings on the
+    same corpus, base and gates; the passkey heatmaps next to it are copied where this run's evaluations put
+    theirs."""
+    path = Path(config.reuse_results)
+    prior = json.loads(path.read_text())
+    theirs, mine = prior.get("config", {}), config.to_dict()
+    differ = sorted(k for k in set(theirs) | set(mine)  # where the base came from: compared as the base itself
+                    if k not in ("out", "pretrained") and theirs.get(k) != mine.get(k))
+    if differ:
+        raise UserError(f"--reuse-results {path}: made with other settings ({', '.join(differ)})")
+    def base(record: dict) -> dict:  # the base model, whichever way each run got it
+        return {k: v for k, v in record.items() if k != "reused_from"}
+
+    for key, same in (("corpus", dict), ("pretrain", base), ("gates", dict)):
+        if same(prior.get(key, {})) != same(results[key]):
+            raise UserError(f"--reuse-results {path}: its {key} differs from this run's")
+    (out / "eval").mkdir(exist_ok=True)
+    for name in prior["runs"]:
+        heatmap, mine_at = path.parent / f"passkey_heatmap_{name}.png", out / "eval" / f"{name}.passkey_heatmap.png"
+        if heatmap.is_file() and not mine_at.is_file():
+            shutil.copyfile(heatmap, mine_at)
+    return prior
 
 
 @command("pose_mlx.sim")
@@ -213,6 +246,12 @@ def main(argv=None) -> int:
                "gates": base_gates, "unigram_ppl": base_gates["unigram_ppl"],
                "no_context_ppl": base_gates["no_context_ppl"],
                "runs": {}, "cost_vs_target": {"pose": {}, "full": {}}}
+    prior = _prior(config, results, out) if config.reuse_results else {}
+    source = config.reuse_results
+
+    def take(stage: str) -> None:
+        stages.reuse(stage, prior.get("stage_seconds", {}).get(stage), source)
+
     data_folders = _finetune_data(stages, config, runs, out, model, cache)
     results["finetune_data"] = {str(n): {"retrieval_documents": sum(1 for line in (
         f / finetune_data.RETRIEVAL_FILE).read_text().splitlines() if line.strip()), "share": config.finetune_retrieval}
@@ -220,22 +259,35 @@ def main(argv=None) -> int:
 
     def train_and_evaluate(run: Run, seed: int) -> dict:
         name = _seed_name(run.name, seed, config)
-        folder = out / "runs" / name
+        folder = out / "runs" / _seed_name(run.folder, seed, config)
+        if run.cost_only and str(run.factor * config.window) in prior.get("cost_vs_target", {}).get(run.sampler, {}):
+            take(f"finetune {folder.name}")
+            return {"cost": prior["cost_vs_target"][run.sampler][str(run.factor * config.window)]}
+        if seed == config.seed and run.name in prior.get("runs", {}):
+            take(f"finetune {folder.name}")
+            take(f"evaluate {name}")
+            return prior["runs"][run.name]
+        if seed != config.seed and run.name in prior.get("ppl", {}):
+            take(f"finetune {folder.name}")
+            take(f"evaluate {name}")
+            k = config.seed_list.index(seed)
+            return {"ppl": {n: row["values"][k] for n, row in prior["ppl"][run.name].items()}}
         train = data / "train" if run.cost_only else data_folders.get(_example_length(config, run), data / "train")
         args = finetune_args(run, model, train, cache, folder, window=config.window, factor=config.factor,
                              steps=config.steps, cost_steps=config.cost_steps, full_batch=config.full_batch,
                              lr=config.lr, seed=seed)
-        stages.run(f"finetune {name}", lambda: (folder / "config.json").is_file(), lambda: run_finetune(args))
+        stages.run(f"finetune {folder.name}", lambda: (folder / "config.json").is_file(), lambda: run_finetune(args))
         if run.cost_only:
             return collect(run, folder, None, None)
         ppl_json, passkey_json = out / "eval" / f"{name}.ppl.json", out / "eval" / f"{name}.passkey.json"
         keys = passkey_lengths if seed == config.seed else []  # extra seeds: perplexity only
 
         def do_eval():
+            extend = load_args(run, config.factor)
             evaluate_perplexity(folder, data / "test", config.lengths, config.eval_docs, config.eval_stride,
-                                ppl_json)
+                                ppl_json, extend)
             if keys:
-                evaluate_passkey(folder, keys, config.passkey_trials, config.seed, passkey_json)
+                evaluate_passkey(folder, keys, config.passkey_trials, config.seed, passkey_json, extend)
 
         stages.run(f"evaluate {name}", lambda: ppl_json.is_file() and (not keys or passkey_json.is_file()), do_eval)
         return collect(run, folder, ppl_json, passkey_json if keys else None)
@@ -249,6 +301,10 @@ def main(argv=None) -> int:
 
     results["ruler"] = {}
     for name in (n for n in RULER_RUNS if n in results["runs"]):
+        if name in prior.get("ruler", {}):
+            take(f"ruler {name}")
+            results["ruler"][name] = prior["ruler"][name]
+            continue
         results["ruler"][name] = _ruler(stages, config, out / "runs" / name, out / "eval" / f"{name}.ruler")
     seeded = {run.name: {config.seed: results["runs"][run.name]["ppl"]} for run in runs if run.name in SEEDED}
     for seed in config.seed_list[1:]:
@@ -256,8 +312,12 @@ def main(argv=None) -> int:
             seeded[run.name][seed] = train_and_evaluate(run, seed)["ppl"]
     results["ppl"] = seed_statistics(results["runs"], seeded)
     results["passkey"] = {name: entry["passkey"] for name, entry in results["runs"].items() if entry["passkey"]}
-    results["nll_by_position"] = _position_curves(stages, config, runs, out, model, cache)
+    results["nll_by_position"] = _position_curves(stages, config, runs, out, model, cache,
+                                                  prior.get("nll_by_position", {}), take)
     results["claims"] = check_claims(results)
+    real = real_results()
+    if real is not None:  # the simulator's job: rank the methods as the real model does
+        results["sim_agreement"] = agreement(results, real)
     this_process = time.perf_counter() - t0
     staged, unrecorded = stages.recorded()
     results["wall_seconds"] = staged + this_process - stages.seconds  # every stage once, plus this run's own rest

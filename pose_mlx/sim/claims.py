@@ -97,16 +97,21 @@ def claim_b(results: dict, lengths: list[int]) -> dict:
 
 
 def claim_c(results: dict, lengths: list[int]) -> dict:
-    text = (f"PoSE passkey accuracy >= {PASSKEY_OK:.0%} at every length <= Lt, Original <= {PASSKEY_ZERO:.0%} at "
-            f"every length >= 2 Lc and >= {PASSKEY_BASE:.0%} at Lc")
-    pose = results["runs"].get("pose-linear", {}).get("passkey", {})
+    """Judged on PoSE + YaRN (the recipe the real model uses); PoSE + PI's accuracies are reported beside it, the
+    ablation that shows what linear interpolation costs the passkey."""
+    text = (f"PoSE + YaRN passkey accuracy >= {PASSKEY_OK:.0%} at every length <= Lt, Original <= "
+            f"{PASSKEY_ZERO:.0%} at every length >= 2 Lc and >= {PASSKEY_BASE:.0%} at Lc")
+    pose = results["runs"].get("pose-yarn", {}).get("passkey", {})
     orig = results["runs"].get("original", {}).get("passkey", {})
     tested = [n for n in lengths if str(n) in pose]
     beyond = [n for n in tested if n >= 2 * lengths[0] and str(n) in orig]
     if not tested or not beyond or str(lengths[0]) not in orig:
         return _claim("c", text, None, "no passkey at Lc, or none beyond it: the prompt template does not fit")
-    detail = ("PoSE " + ", ".join(f"{n}: {pose[str(n)]:.2f}" for n in tested) + "; Original "
-              + ", ".join(f"{n}: {orig[str(n)]:.2f}" for n in tested if str(n) in orig))
+    pi = results["runs"].get("pose-linear", {}).get("passkey", {})
+    detail = ("PoSE + YaRN " + ", ".join(f"{n}: {pose[str(n)]:.2f}" for n in tested) + "; Original "
+              + ", ".join(f"{n}: {orig[str(n)]:.2f}" for n in tested if str(n) in orig)
+              + ("; PoSE + PI (ablation, not judged) " + ", ".join(f"{n}: {pi[str(n)]:.2f}" for n in tested
+                                                                   if str(n) in pi) if pi else ""))
     held = (all(pose[str(n)] >= PASSKEY_OK for n in tested) and all(orig[str(n)] <= PASSKEY_ZERO for n in beyond)
             and orig[str(lengths[0])] >= PASSKEY_BASE)
     return _claim("c", text, held, detail)

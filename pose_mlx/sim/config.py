@@ -51,6 +51,7 @@ class SimConfig:
     passkey_trials: int = 20
     ruler_samples: int = 5  # samples per RULER task and length (original, pose-linear, pose-yarn)
     seed: int = 0
+    reuse_results: str | None = None  # an earlier run's results.json whose runs are taken instead of re-run
 
     @property
     def target(self) -> int:
@@ -80,7 +81,8 @@ class SimConfig:
         return self.full_batch * self.target // self.window
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "target": self.target, "base": self.base, "lengths": self.lengths,
+        settings = {k: v for k, v in asdict(self).items() if k != "reuse_results"}  # where numbers came from
+        return {**settings, "target": self.target, "base": self.base, "lengths": self.lengths,
                 "window_batch": self.window_batch, "eval_stride": self.eval_stride, "seeds": self.seed_list}
 
     @property
@@ -144,8 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
         "ruler_samples": "samples per task and length of the RULER subset (niah_single_1, niah_multikey_1, vt) "
                          "run on Original, PoSE + linear and PoSE + YaRN",
         "seed": "seed of the corpus split, initialisation, data sampling and passkey keys",
+        "reuse_results": "an earlier run's results.json made with the same settings (its corpus, base and gates "
+                         "are checked against this run's): every run, evaluation and curve it records is taken "
+                         "from it, with its stage time, and only what it lacks runs (runs added to the grid since)",
     }
-    extra = {"corpus": "", "prose": "", "corpus_chars": "", "rope_base": "", "pretrained": ""}  # their help states the default
+    # their help states the default
+    extra = {"corpus": "", "prose": "", "corpus_chars": "", "rope_base": "", "pretrained": "", "reuse_results": ""}
     for f in fields(SimConfig):
         kind = {"int": int, "float": float}.get(str(f.type), str)
         if f.name in ("corpus_chars", "rope_base"):
@@ -208,6 +214,8 @@ def validate(config: SimConfig) -> None:
     if config.pretrained not in ("shipped", "none") and not (Path(config.pretrained) / "pretrain.json").is_file():
         raise UserError(f"--pretrained {config.pretrained}: not a pre-trained base (no pretrain.json; or use "
                         "shipped / none)")
+    if config.reuse_results is not None and not Path(config.reuse_results).is_file():
+        raise UserError(f"--reuse-results {config.reuse_results}: no such file")
     if config.eval_docs > config.test_docs:
         raise UserError(f"--eval-docs ({config.eval_docs}) must be <= --test-docs ({config.test_docs})")
     if config.test_tokens < config.target:

@@ -4,9 +4,11 @@
 Runs train on the same number of tokens: `steps` updates of `full_batch` sequences of Lt tokens (full-length)
 or `full_batch * Lt / Lc` sequences of Lc tokens (every other method). 'Original' and the schedule-only
 baselines ('PI-only', ...) are `--sampler none` runs: the pre-trained model patched and exported, no training
-('Original' with the identity schedule `none`). Cost runs time PoSE and full-length at Lt = 2 Lc ... the target
-with `cost_steps` updates in the paper's setting: the same number of sequences per update (`full_batch`) for
-both, Lc tokens each for PoSE, Lt for full-length.
+('Original' with the identity schedule `none`). The controls 'adapt-yarn' / 'adapt-dynamic' share one ordinary
+fine-tuning (`--sampler plain --schedule none`, folder `adapt`: the PoSE runs' data, updates, lr, window and seed,
+positions 0..Lc-1 with the original RoPE) that the evaluators extend at load (`--schedule yarn|dynamic`). Cost
+runs time PoSE and full-length at Lt = 2 Lc ... the target with `cost_steps` updates in the paper's setting: the
+same number of sequences per update (`full_batch`) for both, Lc tokens each for PoSE, Lt for full-length.
 """
 
 from __future__ import annotations
@@ -29,18 +31,30 @@ RULER_RUNS = ("original", "pose-linear", "pose-yarn")
 class Run:
     name: str
     label: str
-    sampler: str  # finetune --sampler: none, pose, randpos, full
-    scaling: str = "linear"
+    sampler: str  # finetune --sampler: none, pose, randpos, full, plain
+    scaling: str = "linear"  # plain: the schedule the evaluators apply at load (trained with none)
     chunks: int = 2
     content: str = "uniform"
     factor: int | None = None  # None: the simulator's factor
     cost_only: bool = False
+    params: str = ""  # finetune --schedule-param, comma-separated key=value ("": the schedule's defaults)
+
+    @property
+    def folder(self) -> str:
+        """The run folder it trains and evaluates: the plain runs share one fine-tuning, `adapt`."""
+        return "adapt" if self.sampler == "plain" else self.name
+
+    def spec(self) -> dict:
+        """results.json's `spec`: the fields, `params` only when set."""
+        return {k: v for k, v in asdict(self).items() if k != "params" or v}
 
 
 def grid_runs(factor: int) -> list[Run]:
     """Original; schedule-only baselines; full-length, PoSE (linear / ntk / yarn); RandPos (Lc positions drawn
     from [0, Lt), sorted: the extreme of the chunk ablation); chunk ablation N in {1, 2, 3}; content ablation
-    (uniform / zero / aligned); cost runs at Lt = 2 Lc .. the target."""
+    (uniform / zero / aligned); the real model's other methods (`REAL_NAMES`): dynamic NTK without training,
+    the adapt-* controls, PoSE + YaRN with its frequencies only (attention factor 1); cost runs at
+    Lt = 2 Lc .. the target."""
     runs = [Run("original", "Original", "none", "none")]
     runs += [Run(f"only-{s}", f"{'PI' if s == 'linear' else s.upper() if s == 'ntk' else 'YaRN'}-only", "none", s)
              for s in ("linear", "ntk", "yarn")]
@@ -52,6 +66,9 @@ def grid_runs(factor: int) -> list[Run]:
         runs.append(Run(f"pose-linear-n{n}", f"PoSE N={n}", "pose", "linear", chunks=n))
     for content in ("zero", "aligned"):
         runs.append(Run(f"pose-linear-{content}", f"PoSE v_i {content}", "pose", "linear", content=content))
+    runs.append(Run("only-dynamic", "Dynamic-only", "none", "dynamic"))
+    runs += [Run(f"adapt-{s}", f"adapt + {s}", "plain", s) for s in ("yarn", "dynamic")]
+    runs.append(Run("pose-yarn-notemp", "PoSE + yarn, frequencies only", "pose", "yarn", params="attention_factor=1"))
     f = 2
     while f <= factor:
         for sampler in ("pose", "full"):
@@ -65,8 +82,11 @@ def finetune_args(run: Run, model: Path, data: Path, cache: Path, output: Path, 
                   steps: int, cost_steps: int, full_batch: int, lr: float, seed: int) -> list[str]:
     """The `pose_mlx.finetune` command line of `run` (full fine-tuning, no progress bar)."""
     f = run.factor or factor
-    args = ["--model", str(model), "--original", str(window), "--target", f"{f}x", "--schedule", run.scaling,
-            "--sampler", run.sampler, "--output", str(output)]
+    args = ["--model", str(model), "--original", str(window), "--target", f"{f}x",
+            "--schedule", "none" if run.sampler == "plain" else run.scaling, "--sampler", run.sampler,
+            "--output", str(output)]
+    if run.params:
+        args += [a for p in run.params.split(",") for a in ("--schedule-param", p)]
     if run.sampler == "none":
         return args
     batch = full_batch if run.sampler == "full" or run.cost_only else full_batch * f
@@ -103,18 +123,32 @@ def cost(folder: Path) -> dict | None:
             "final_loss": log[-1]["loss"], "steps": len(log)}
 
 
-def evaluate_perplexity(model: Path, test: Path, lengths: list[int], docs: int, stride: int, output: Path) -> None:
+def load_schedule(run: Run, factor: int) -> tuple[str | None, str | None]:
+    """(schedule, target) that extend `run`'s folder at load: the plain runs' schedule; (None, None) for the
+    others, whose folder's pose_mlx.json says it."""
+    return (run.scaling, f"{run.factor or factor}x") if run.sampler == "plain" else (None, None)
+
+
+def load_args(run: Run, factor: int) -> list[str]:
+    """`load_schedule` as the evaluators' --schedule / --target flags."""
+    schedule, target = load_schedule(run, factor)
+    return [] if schedule is None else ["--schedule", schedule, "--target", target]
+
+
+def evaluate_perplexity(model: Path, test: Path, lengths: list[int], docs: int, stride: int, output: Path,
+                        extend: list[str] = ()) -> None:
     """Sliding windows `stride` tokens apart (capped at W-1) over whole test documents, every length."""
     code = perplexity.main(["--model", str(model), "--data", str(test), "--lengths", ",".join(map(str, lengths)),
                             "--stride", str(stride), "--docs", str(docs), "--min-doc-tokens", str(max(lengths)),
-                            "--no-truncate", "--output", str(output), "--no-progress"])
+                            "--no-truncate", "--output", str(output), "--no-progress", *extend])
     if code:
         raise RuntimeError(f"pose_mlx.perplexity on {model} failed with exit code {code}")
 
 
-def evaluate_passkey(model: Path, lengths: list[int], trials: int, seed: int, output: Path) -> None:
+def evaluate_passkey(model: Path, lengths: list[int], trials: int, seed: int, output: Path,
+                     extend: list[str] = ()) -> None:
     code = passkey.main(["--model", str(model), "--lengths", ",".join(map(str, lengths)), "--trials", str(trials),
-                         "--seed", str(seed), "--output", str(output), "--no-progress"])
+                         "--seed", str(seed), "--output", str(output), "--no-progress", *extend])
     if code:
         raise RuntimeError(f"pose_mlx.passkey on {model} failed with exit code {code}")
 
@@ -150,7 +184,7 @@ def passkey_template_tokens(tokenizer) -> int:
 
 def collect(run: Run, folder: Path, ppl_json: Path | None, passkey_json: Path | None) -> dict:
     """One run's entry of results.json."""
-    entry = {"spec": asdict(run), "cost": cost(folder), "ppl": {}, "passkey": {}}
+    entry = {"spec": run.spec(), "cost": cost(folder), "ppl": {}, "passkey": {}}
     if ppl_json is not None and ppl_json.is_file():
         entry["ppl"] = {str(r["length"]): r["ppl"] for r in json.loads(ppl_json.read_text())["results"]}
     if passkey_json is not None and passkey_json.is_file():

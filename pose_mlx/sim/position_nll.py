@@ -41,12 +41,14 @@ def binned(nll: np.ndarray, bin_width: int) -> dict:
             "windows": int(nll.shape[0])}
 
 
-def measure(model_dir: Path, docs: list[np.ndarray], length: int, bin_width: int, output: Path) -> dict:
-    """The binned curve of the run in `model_dir` (loaded with its saved schedule) at window `length`, written to
-    `output` as JSON and returned. `docs`: tokenized test documents, BOS left out."""
+def measure(model_dir: Path, docs: list[np.ndarray], length: int, bin_width: int, output: Path,
+            schedule: str | None = None, target: str | None = None) -> dict:
+    """The binned curve of the run in `model_dir` (loaded with its saved schedule, or extended at load with
+    `schedule` / `target` as the evaluators' --schedule / --target do) at window `length`, written to `output` as
+    JSON and returned. `docs`: tokenized test documents, BOS left out."""
     from ..longctx import bos_id, load_eval_model
 
-    info = load_eval_model(str(model_dir))
+    info = load_eval_model(str(model_dir), schedule, target)
     record = {"length": length, "bin_width": bin_width,
               **binned(window_nll(info.model, docs, length, bos_id(info.tokenizer)), bin_width)}
     Path(output).write_text(json.dumps(record) + "\n")

@@ -8,6 +8,7 @@ from pathlib import Path
 import shutil
 
 from ..plots import curves, line_vs_length
+from .agreement import ranking
 
 #: (file stem, title, runs) of each perplexity table / figure.
 TABLES = (
@@ -176,6 +177,63 @@ def seeds_table(results: dict) -> list[str]:
     return lines + [""]
 
 
+AGREEMENT_HEADING = "## Agreement with the real model"
+
+
+def agreement_section(results: dict) -> list[str]:
+    """The simulator's job: the real model's ranking of the methods (`pose_mlx.sim.agreement`), both rankings
+    side by side with Kendall's tau-b and whether it reaches the goal."""
+    a = results.get("sim_agreement")
+    if not a:
+        return []
+    measures = (("ppl", "perplexity", ".2f"), ("passkey", "passkey accuracy", ".2f"))
+    lines = [AGREEMENT_HEADING, "",
+             "The simulator's job is to predict how the real model (SmolLM2-135M-Instruct, 8k -> 32k; "
+             "`benchmarks/results/real_model/results.json`) ranks the methods. Over the "
+             f"{len(a['methods'])} methods both have measured, each at its own target (here Lt = "
+             f"{a['sim_target']}, the real model {a['real_target']}), Kendall's tau-b between the two rankings "
+             f"(goal >= {a['goal']:g} on both; rank 1 is the best, tied methods share their mean rank). The real "
+             "model's numbers are its pre-registered protocol's (`protocol_runs`) where it has them, else its "
+             "exploratory runs' (`runs`); new runs there are picked up when the report is made again.", ""]
+    if len(a["methods"]) < 2:
+        return lines + ["Fewer than two methods are measured by both: nothing to rank.", ""]
+    head, rule = ["method"], ["---"]
+    for key, title, _ in measures:
+        head += [f"simulator {title} @ {a['sim_target']} (rank)", f"real {title} @ {a['real_target']} (rank)"]
+        rule += ["---", "---"]
+    lines += ["| " + " | ".join(head) + " | real numbers from |", "|" + "|".join(rule) + "|---|"]
+    ranks = {(side, key): _ranks(a[side][key], key) for side in ("sim", "real") for key, _, _ in measures}
+    for name in a["methods"]:
+        cells = [name]
+        for key, _, fmt in measures:
+            cells += [f"{a[side][key][name]:{fmt}} ({ranks[side, key][name]:g})" for side in ("sim", "real")]
+        sources = sorted(set(a["real_source"][name].values()))
+        lines.append("| " + " | ".join(cells) + f" | {', '.join(sources)} |")
+    lines.append("")
+    for key, title, _ in measures:
+        tau = a[f"{key}_tau"]
+        text = "undefined (one side scores every method alike)" if tau is None else f"{tau:.2f}"
+        verdict = "reaches" if tau is not None and tau >= a["goal"] else "does not reach"
+        order = {side: _order(a[side][key], key) for side in ("sim", "real")}
+        lines += [f"- {title.capitalize()}: tau = {text}, {verdict} the goal. Simulator {order['sim']}; "
+                  f"real model {order['real']}."]
+    lines += ["", f"**The goal {'holds' if a['holds'] else 'does not hold'}** (tau >= {a['goal']:g} on both).", ""]
+    return lines
+
+
+def _ranks(scores: dict, measure: str) -> dict:
+    out, position = {}, 1
+    for group in ranking(scores, measure):
+        for name in group:
+            out[name] = position + (len(group) - 1) / 2
+        position += len(group)
+    return out
+
+
+def _order(scores: dict, measure: str) -> str:
+    return (" < " if measure == "ppl" else " > ").join(" = ".join(g) for g in ranking(scores, measure))
+
+
 def _wall_time(results: dict) -> str:
     """The run's cost from scratch (each stage's own time, whichever invocation ran it) and this invocation's."""
     whole, own = results["wall_seconds"], results.get("wall_seconds_this_process", results["wall_seconds"])
@@ -217,7 +275,8 @@ def write_report(results: dict, folder: Path, pngs: list[Path]) -> Path:
     parts += ["## Claims", ""]
     for claim in results["claims"]:
         parts.append(f"- ({claim['id']}) {claim['claim']}: {held[claim['held']]}. {claim['detail']}")
-    parts += ["", "## Perplexity", "",
+    parts += [""] + agreement_section(results)
+    parts += ["## Perplexity", "",
               "Token-weighted sliding-window perplexity on the test documents (windows of BOS + W-1 tokens, "
               f"{c['eval_stride']} tokens apart; `pose_mlx.perplexity`).", ""]
     for stem, title, names in TABLES:

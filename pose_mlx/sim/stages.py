@@ -39,6 +39,15 @@ class Stages:
         left = sum(w for n, w in self.weights.items() if n not in self.done)
         return None if self.work == 0 else self.seconds / self.work * left
 
+    def reuse(self, name: str, seconds: float | None, source: str) -> None:
+        """Take stage `name`'s output from `source` (an earlier run) instead of running it; its recorded time, if
+        any, counts as this run's (`recorded()`), as a cached stage's does."""
+        index = list(self.weights).index(name) + 1
+        if seconds is not None:
+            self.times[name] = seconds
+        self.done.add(name)
+        print(f"[{index}/{len(self.weights)}] {name}: taken from {source}", file=self.stream, flush=True)
+
     def run(self, name: str, cached: Callable[[], bool], fn: Callable[[], object]) -> None:
         """Run `fn` unless `cached()` says its output exists; print one progress line either way."""
         index = list(self.weights).index(name) + 1

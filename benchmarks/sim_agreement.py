@@ -1,0 +1,76 @@
+"""Bring the simulator's agreement with the real model up to date from the committed numbers.
+
+`python benchmarks/sim_agreement.py` recomputes `sim_agreement` (`pose_mlx.sim.agreement`: Kendall's tau-b between
+the simulator's and the real model's rankings of the methods on perplexity and passkey at each one's target) from
+benchmarks/results/sim/results.json and benchmarks/results/real_model/results.json (its `runs` and
+`protocol_runs`), and writes it into both files and into the simulator's report.md (its "Agreement with the real
+model" section), leaving everything else as it was. bench_evidence.py runs it after each write of the real
+model's results, so new real-model runs are picked up; `python -m pose_mlx.sim` computes the same when it
+assembles its report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from pose_mlx.sim.agreement import agreement  # noqa: E402
+from pose_mlx.sim.report import AGREEMENT_HEADING, agreement_section  # noqa: E402
+
+SIM = ROOT / "benchmarks" / "results" / "sim"
+REAL = ROOT / "benchmarks" / "results" / "real_model" / "results.json"
+
+
+def _with_key(results: dict, value: dict, after: str | None) -> dict:
+    """`results` with sim_agreement = value: in its place when present, else after key `after` (or at the end)."""
+    if "sim_agreement" in results or after not in results:
+        return {**results, "sim_agreement": value}
+    out = {}
+    for key, item in results.items():
+        out[key] = item
+        if key == after:
+            out["sim_agreement"] = value
+    return out
+
+
+def replace_section(report: str, section: list[str]) -> str:
+    """report.md with its agreement section replaced by `section` (inserted before "## Perplexity" if absent)."""
+    text = "\n".join(section) + "\n" if section else ""
+    start = report.find(AGREEMENT_HEADING + "\n")
+    if start < 0:
+        at = report.index("## Perplexity\n")
+        return report[:at] + text + report[at:]
+    end = report.find("\n## ", start + len(AGREEMENT_HEADING))
+    return report[:start] + text + report[end + 1:]
+
+
+def refresh(sim: Path = SIM, real: Path = REAL) -> dict:
+    """Recompute and write the agreement (both results.json files, the report); returns it."""
+    sim_results, real_results = (json.loads(p.read_text()) for p in (sim / "results.json", real))
+    record = agreement(sim_results, real_results)
+    sim_results = _with_key(sim_results, record, "claims")
+    (sim / "results.json").write_text(json.dumps(sim_results, indent=1) + "\n")
+    real.write_text(json.dumps(_with_key(real_results, record, None), indent=2) + "\n")
+    report = sim / "report.md"
+    report.write_text(replace_section(report.read_text(), agreement_section(sim_results)))
+    return record
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sim", type=Path, default=SIM, help="the simulator's result folder (default %(default)s)")
+    p.add_argument("--real", type=Path, default=REAL, help="the real model's results.json (default %(default)s)")
+    args = p.parse_args(argv)
+    record = refresh(args.sim, args.real)
+    tau = {k: "n/a" if record[k] is None else f"{record[k]:.2f}" for k in ("ppl_tau", "passkey_tau")}
+    print(f"sim_agreement over {', '.join(record['methods'])}: perplexity tau {tau['ppl_tau']}, passkey tau "
+          f"{tau['passkey_tau']}; goal >= {record['goal']:g} {'holds' if record['holds'] else 'does not hold'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
