@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pose_mlx.sim.agreement import GOAL, REAL_NAMES, agreement, ranking
+from pose_mlx.sim.agreement import GOAL, REAL_NAMES, REAL_RUNS, agreement, ranking
 from pose_mlx.sim.report import agreement_section
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +58,7 @@ def test_one_swapped_pair_and_ties_by_hand():
     assert 4 / 6 < GOAL < 5 / math.sqrt(30)
 
 
-def test_methods_are_those_both_sides_measured_and_protocol_runs_win():
+def test_methods_are_those_both_sides_measured_and_the_confirmation_stage_wins():
     sim = _sim({**SIM_PPL, "adapt-yarn": 9.0, "full-linear": 8.1}, {**SIM_PASSKEY, "adapt-yarn": 0.3,
                                                                     "full-linear": 0.0})
     real = _real({"none": 300.0, "linear": 100.0, "ntk": 7.0, "pose-yarn": 5.0},
@@ -67,17 +67,23 @@ def test_methods_are_those_both_sides_measured_and_protocol_runs_win():
     real["runs"]["pose-linear"] = {"ppl": {"4096": 6.0}, "passkey": {"4096": 0.6}}  # not at the target
     a = agreement(sim, real)
     assert a["methods"] == ["none", "linear", "ntk", "pose-yarn"]  # full-length has no real counterpart
-    assert all(src == {"ppl": "runs", "passkey": "runs"} for src in a["real_source"].values())
-    # the lead's protocol adds the control and re-measures pose-yarn: both are picked up, the protocol's numbers
-    # replace the exploratory ones, and a run with only one measure so far is left out
-    real["protocol_runs"] = {"adapt-yarn": {"role": "control", "ppl": {"512": 6.5}, "passkey": {"512": 0.6}},
-                             "pose-yarn": {"role": "pose", "ppl": {"512": 200.0}, "passkey": {"512": 0.9}},
-                             "none": {"role": "base", "ppl_unseen": {"2048": 14.8}}}
+    assert a["real_source"]["pose-yarn"] == {"ppl": "pose-yarn (exploratory)", "passkey": "pose-yarn (exploratory)"}
+    # the protocol's confirmation stage arrives (bench_evidence.py: its numbers on top, the exploratory ones
+    # under "exploratory"): the control and the protocol's PoSE + YaRN run are picked up, a confirmation number
+    # replaces the exploratory one, and a measure the confirmation stage lacks still comes from the exploratory
+    real["runs"]["none"] = {"stage": "confirmation", "role": "base", "ppl_unseen": {"2048": 14.8},
+                            "passkey": {"512": 0.1}, "exploratory": real["runs"]["none"]}
+    real["runs"]["adapt-yarn"] = {"stage": "confirmation", "role": "control", "ppl": {"512": 6.5},
+                                  "passkey": {"512": 0.6}}
+    real["runs"]["pose-yarn-lr3e-5"] = {"stage": "confirmation", "role": "pose", "ppl": {"512": 200.0},
+                                        "passkey": {"512": 0.9}}
     a = agreement(sim, real)
     assert a["methods"] == ["none", "linear", "ntk", "adapt-yarn", "pose-yarn"]
-    assert a["real"]["ppl"]["pose-yarn"] == 200.0 and a["real_source"]["pose-yarn"] == {"ppl": "protocol_runs",
-                                                                                         "passkey": "protocol_runs"}
-    assert a["real_source"]["none"] == {"ppl": "runs", "passkey": "runs"}
+    assert a["real"]["ppl"]["pose-yarn"] == 200.0
+    assert a["real_source"]["pose-yarn"] == {"ppl": "pose-yarn-lr3e-5 (confirmation)",
+                                             "passkey": "pose-yarn-lr3e-5 (confirmation)"}
+    assert a["real_source"]["none"] == {"ppl": "none (exploratory)", "passkey": "none (confirmation)"}
+    assert (a["real"]["ppl"]["none"], a["real"]["passkey"]["none"]) == (300.0, 0.1)
     # ppl: sim order pose-yarn < adapt-yarn < ntk < linear < none; real adapt-yarn < ntk < linear < pose-yarn <
     # none: of the 10 pairs, pose-yarn is discordant with adapt-yarn, ntk and linear: (7 - 3) / 10
     assert a["ppl_tau"] == pytest.approx(0.4)
@@ -102,7 +108,7 @@ def test_report_section_shows_both_rankings_tau_and_the_goal():
                  {"none": 0.0, "linear": 0.0, "ntk": 0.5, "pose-yarn": 0.8})
     text = "\n".join(agreement_section({"sim_agreement": agreement(_sim(SIM_PPL, SIM_PASSKEY), real)}))
     assert "## Agreement with the real model" in text
-    assert "| linear | 15.00 (3) | 6.00 (2) | 0.10 (3) | 0.00 (3.5) | runs |" in text  # tied: mean rank
+    assert "| linear | 15.00 (3) | 6.00 (2) | 0.10 (3) | 0.00 (3.5) | linear (exploratory) |" in text  # mean rank
     assert "Perplexity: tau = 0.67, does not reach the goal." in text
     assert "Simulator pose-yarn < ntk < linear < none; real model pose-yarn < linear < ntk < none." in text
     assert "Passkey accuracy: tau = 0.91, reaches the goal." in text
@@ -115,10 +121,13 @@ def test_every_mapped_name_is_a_grid_run_or_the_real_models():
 
     names = {r.name for r in grid_runs(8)}
     assert set(REAL_NAMES) <= names
+    # every run of the real model's results and protocol has a method here (the exploratory lr 3e-5 run is
+    # the protocol's pose-yarn-lr3e-5, named differently before it)
     real = json.loads(REAL_JSON.read_text())
-    protocol_names = {"none", "dynamic", "adapt-yarn", "adapt-dynamic", "pose-yarn", "pose-yarn-notemp"}
-    assert set(real["runs"]) - {"pose-yarn (lr3e-5)"} <= set(REAL_NAMES.values())
-    assert protocol_names <= set(REAL_NAMES.values())
+    protocol = (ROOT / "benchmarks" / "protocols" / "real_model.yaml").read_text()
+    runs = (set(real["runs"]) | {"pose-yarn-notemp"}) - {"pose-yarn (lr3e-5)"}
+    assert "pose-yarn-notemp:" in protocol and "pose-yarn-lr3e-5:" in protocol
+    assert {REAL_RUNS.get(m, (m,))[0] for m in REAL_NAMES.values()} | {"pose-yarn"} == runs
 
 
 @pytest.mark.parametrize("path", [SIM_JSON, REAL_JSON], ids=["sim", "real_model"])

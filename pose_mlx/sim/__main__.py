@@ -319,6 +319,9 @@ def main(argv=None) -> int:
     if real is not None:  # the simulator's job: rank the methods as the real model does
         results["sim_agreement"] = agreement(results, real)
     this_process = time.perf_counter() - t0
+    # --reuse-results: a stage the earlier run timed (the corpus, the gates, ... re-run here to check them) keeps
+    # that time, so the whole run's cost is the earlier run's plus what it lacked
+    stages.times.update({n: t for n, t in prior.get("stage_seconds", {}).items() if n in stages.weights})
     staged, unrecorded = stages.recorded()
     results["wall_seconds"] = staged + this_process - stages.seconds  # every stage once, plus this run's own rest
     results["wall_seconds_this_process"] = this_process

@@ -7,9 +7,10 @@ side at its own target length (the simulator's Lt, the real model's `target`). t
 methods: (concordant - discordant) / sqrt((pairs - ties in x) (pairs - ties in y)); 1 is the same order, -1 the
 reverse, None where one side scores every method alike. The goal is tau >= `GOAL` on both.
 
-The real model's numbers come from `protocol_runs` (the pre-registered confirmation trials) where it has the
-measure at the target, else from `runs` (the exploratory stage), so a run added to either is picked up the next
-time this is computed.
+The real model's numbers are read from its `runs`: a run of the pre-registered protocol (`"stage":
+"confirmation"`, benchmarks/bench_evidence.py) gives its confirmation numbers where it has the measure at the
+target, else its `exploratory` ones; any other run its own (the exploratory stage, benchmarks/bench_real_model.py).
+So a run added there, or a confirmation number that arrives, is picked up the next time this is computed.
 """
 
 from __future__ import annotations
@@ -20,10 +21,13 @@ from pathlib import Path
 
 from ..analysis.stats import kendall_tau
 
-#: The simulator's run names -> the real model's, in the order the report lists them.
+#: The simulator's run names -> the real model's method names, in the order the report lists them.
 REAL_NAMES = {"original": "none", "only-linear": "linear", "only-ntk": "ntk", "only-yarn": "yarn",
               "only-dynamic": "dynamic", "adapt-yarn": "adapt-yarn", "adapt-dynamic": "adapt-dynamic",
               "pose-linear": "pose-linear", "pose-yarn": "pose-yarn", "pose-yarn-notemp": "pose-yarn-notemp"}
+#: A method's runs in the real model's results.json, the first that has the number used (default: its name):
+#: PoSE + YaRN is the protocol's run (lr 3e-5) once it has numbers, else the exploratory one (lr 1e-4).
+REAL_RUNS = {"pose-yarn": ("pose-yarn-lr3e-5", "pose-yarn")}
 MEASURES = ("ppl", "passkey")
 LOWER_IS_BETTER = {"ppl": True, "passkey": False}
 GOAL = 0.7  # Kendall's tau both rankings must reach
@@ -41,15 +45,25 @@ def sim_scores(sim: dict, measure: str) -> dict[str, float]:
     return scores
 
 
+def _stages(entry: dict):
+    """(stage, numbers) of one real-model run, the confirmation stage's first."""
+    if entry.get("stage") == "confirmation":
+        yield "confirmation", entry
+        entry = entry.get("exploratory") or {}
+    yield "exploratory", entry
+
+
 def real_scores(real: dict, measure: str) -> tuple[dict[str, float], dict[str, str]]:
-    """({method: `measure` at the real target}, {method: "protocol_runs" or "runs", where it came from})."""
+    """({method: `measure` at the real target}, {method: "<run> (<stage>)", where it came from})."""
     target = str(real["target"])
     scores, source = {}, {}
-    for stage in ("runs", "protocol_runs"):  # the later stage wins
-        for name, entry in (real.get(stage) or {}).items():
-            value = (entry.get(measure) or {}).get(target)
-            if value is not None:
-                scores[name], source[name] = value, stage
+    for method in REAL_NAMES.values():
+        found = ((run, stage, numbers[measure][target]) for run in REAL_RUNS.get(method, (method,))
+                 for stage, numbers in _stages(real.get("runs", {}).get(run, {}))
+                 if (numbers.get(measure) or {}).get(target) is not None)
+        for run, stage, value in found:
+            scores[method], source[method] = value, f"{run} ({stage})"
+            break
     return scores, source
 
 

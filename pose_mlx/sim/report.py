@@ -193,8 +193,8 @@ def agreement_section(results: dict) -> list[str]:
              f"{len(a['methods'])} methods both have measured, each at its own target (here Lt = "
              f"{a['sim_target']}, the real model {a['real_target']}), Kendall's tau-b between the two rankings "
              f"(goal >= {a['goal']:g} on both; rank 1 is the best, tied methods share their mean rank). The real "
-             "model's numbers are its pre-registered protocol's (`protocol_runs`) where it has them, else its "
-             "exploratory runs' (`runs`); new runs there are picked up when the report is made again.", ""]
+             "model's numbers are its pre-registered protocol's (confirmation stage) where it has them, else its "
+             "exploratory stage's; new runs and numbers there are picked up when the report is made again.", ""]
     if len(a["methods"]) < 2:
         return lines + ["Fewer than two methods are measured by both: nothing to rank.", ""]
     head, rule = ["method"], ["---"]
