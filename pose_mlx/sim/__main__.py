@@ -166,6 +166,7 @@ def _prior(config: SimConfig, results: dict, out: Path) -> dict:
                     if k not in ("out", "pretrained") and theirs.get(k) != mine.get(k))
     if differ:
         raise UserError(f"--reuse-results {path}: made with other settings ({', '.join(differ)})")
+
     def base(record: dict) -> dict:  # the base model, whichever way each run got it
         return {k: v for k, v in record.items() if k != "reused_from"}
 
@@ -260,9 +261,10 @@ def main(argv=None) -> int:
     def train_and_evaluate(run: Run, seed: int) -> dict:
         name = _seed_name(run.name, seed, config)
         folder = out / "runs" / _seed_name(run.folder, seed, config)
-        if run.cost_only and str(run.factor * config.window) in prior.get("cost_vs_target", {}).get(run.sampler, {}):
+        timed = prior.get("cost_vs_target", {}).get(run.sampler, {})
+        if run.cost_only and str(run.factor * config.window) in timed:
             take(f"finetune {folder.name}")
-            return {"cost": prior["cost_vs_target"][run.sampler][str(run.factor * config.window)]}
+            return {"cost": timed[str(run.factor * config.window)]}
         if seed == config.seed and run.name in prior.get("runs", {}):
             take(f"finetune {folder.name}")
             take(f"evaluate {name}")
