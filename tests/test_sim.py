@@ -490,3 +490,32 @@ def test_eta_work_estimates_match_the_committed_default_run():
     first, rest = order[0], order[1:]
     eta = times[first] / weights[first] * sum(weights[name] for name in rest)
     assert 1 / 1.5 < eta / sum(times[name] for name in rest) < 1.5
+
+
+def test_the_real_models_methods_in_the_grid(tmp_path):
+    """The adapt-* controls: one plain fine-tuning (folder `adapt`, original RoPE while training) with the PoSE
+    runs' settings, extended at load; frequencies only: YaRN with attention factor 1."""
+    from pose_mlx.sim.grid import finetune_args, grid_runs, load_args
+
+    runs = {r.name: r for r in grid_runs(8)}
+    common = dict(window=128, factor=8, steps=150, cost_steps=20, full_batch=4, lr=2e-4, seed=0)
+
+    def args(name):
+        run = runs[name]
+        return finetune_args(run, tmp_path / "base", tmp_path / "data", tmp_path / "cache",
+                             tmp_path / "runs" / run.folder, **common)
+
+    pose, adapt = args("pose-yarn"), args("adapt-yarn")
+    assert runs["adapt-yarn"].folder == runs["adapt-dynamic"].folder == "adapt" and args("adapt-dynamic") == adapt
+    # the same command as PoSE + YaRN but for the sampler and the schedule while training
+    swap = {"--sampler": "plain", "--schedule": "none", "--output": str(tmp_path / "runs" / "adapt")}
+    assert adapt == [swap.get(prev, a) for prev, a in zip([None] + pose[:-1], pose)]
+    assert load_args(runs["adapt-dynamic"], 8) == ["--schedule", "dynamic", "--target", "8x"]
+    assert load_args(runs["pose-yarn"], 8) == [] and load_args(runs["only-dynamic"], 8) == []
+    notemp = args("pose-yarn-notemp")
+    assert notemp[notemp.index("--schedule-param") + 1] == "attention_factor=1"
+    assert [a for a in notemp if a not in ("--schedule-param", "attention_factor=1")] == [
+        a.replace("runs/pose-yarn", "runs/pose-yarn-notemp") for a in pose]
+    assert args("only-dynamic")[args("only-dynamic").index("--schedule") + 1] == "dynamic"
+    assert "params" not in runs["pose-yarn"].spec()  # specs of runs without it read as before it existed
+    assert runs["pose-yarn-notemp"].spec()["params"] == "attention_factor=1"
