@@ -768,12 +768,13 @@ def limit(run) -> tuple[int, str]:
     return (parse_size(run.max_memory), "--max-memory") if run.max_memory else available_memory()
 
 
-def check_run(config: dict | Architecture, run, window: int, target: int | None) -> None:
+def check_run(config: dict, run, window: int, target: int | None, ref=None) -> None:
     """Refuse (UserError, one line with the change that fits) a fine-tuning run whose predicted peak exceeds its
-    limit, unless it asks to be forced (`run.force`) or trains nothing. `config`: better the model as loaded
-    (`loaded_architecture`)."""
+    limit, unless it asks to be forced (`run.force`) or trains nothing. `ref` (a `pose_mlx.model.source.ModelRef`):
+    the model as loaded on this backend (`loaded_architecture`)."""
     if run.sampler != "none" and not run.force:
-        check_fits(config, run_settings(run, window, target), limit(run)[0])
+        settings = run_settings(run, window, target)
+        check_fits(loaded_architecture(config, ref, settings.backend), settings, limit(run)[0])
 
 
 def check_fits(config: dict | Architecture, settings: TrainSettings, max_memory: int) -> Plan:

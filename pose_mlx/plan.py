@@ -98,7 +98,7 @@ def make_plan(invocation: Invocation) -> RunPlan:
     if s.sampler in ("pose", "pose-ref") and s.chunks > window:
         raise UserError(f"--chunks {s.chunks} must be at most the window {window} (each chunk holds a token)")
     lora = None if s.full or s.sampler == "none" else _lora_spec(s, config)
-    memory.check_run(memory.loaded_architecture(config, ref), s, window, target)
+    memory.check_run(config, s, window, target, ref)
     label = Path(s.model.rstrip("/")).name.removesuffix(".gguf")  # the alias, the repo's or the folder's name
     output = Path(s.output).expanduser() if s.output else Path(f"{label}-{s.sampler}-{target}")
     plan = RunPlan(s, ref, config, original, target, window, output, run_folder(output), invocation.resume,

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from _finetune_helpers import text_dir, tiny_model  # noqa: F401
 from pose_mlx import memory
 from pose_mlx import plan as planner
 from pose_mlx.errors import UserError
@@ -233,3 +234,32 @@ def test_padding_changes_neither_the_loss_nor_its_gradient():
     assert abs(loss1 - loss2) <= 1e-5 * abs(loss1) and loss1 > 1
     for key in g1:
         np.testing.assert_allclose(g2[key], g1[key], rtol=1e-4, atol=1e-6, err_msg=key)
+
+
+def test_finetune_trains_the_rows_the_plan_predicts(tiny_model, text_dir, tmp_path, monkeypatch, capsys):
+    """A real run, default and forced on: the batches the model sees have the planned widths, and the targets
+    trained (the log's tokens) are the same real ones."""
+    from _finetune_helpers import read_log
+    from pose_mlx.finetune import main as finetune
+
+    widths = []
+    next_batch = ExampleStream.next_batch
+
+    def spy(self):
+        batch = next_batch(self)
+        widths.append(batch.inputs.shape[1])
+        return batch
+
+    monkeypatch.setattr(ExampleStream, "next_batch", spy)
+    flags = ["--model", tiny_model, "--target", "64", "--window", "16", "--steps", "2", "--warmup", "1",
+             "--data", text_dir, "--cache-dir", tmp_path / "c", "--no-progress"]
+    tokens = {}
+    for align in ("auto", "on"):
+        widths.clear()
+        out = tmp_path / align
+        assert finetune([str(a) for a in flags + ["--align-rows", align, "--output", out]]) == 0, capsys.readouterr()
+        *_, settings = planner.planned_run([str(a) for a in flags + ["--align-rows", align]])
+        assert set(widths) == {settings.row_tokens}
+        tokens[align] = [r["tokens"] for r in read_log(out / "train_log.jsonl")]
+    if memory.compute_backend() == "cpu":
+        assert widths == [128] * len(widths) and tokens["auto"] == tokens["on"] == [15, 15]
