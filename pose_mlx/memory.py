@@ -35,6 +35,14 @@ RMSNorm and the loss, so there the prediction errs high. Families other than lla
 (extra norms, q/k norms, fused projections, biases); a family this module does not know is estimated from the
 config's shapes as a llama-style block, with a warning.
 
+On a GPU (`TrainSettings.backend` "cuda" or "metal") two things change. The attention: MLX's CUDA backend runs
+cuDNN's fused attention for 16-bit models, which keeps no score matrix when the rows' query length is a multiple
+of 128 and recomputes it in the backward otherwise (`attention_path`; Metal trains unfused, like the CPU). And the
+activations, logits and temporaries are scaled by `GPU_FACTORS`, fitted to measurements on an H200 (docs/memory.md
+says which numbers are measured and which modelled). Rows are those really trained: window - 1 inputs padded to
+`row_multiple` (finetune's --align-rows). The weights are counted in the dtype they have once loaded
+(`loaded_architecture`: a GGUF file is dequantized to float32 on the CPU, kept quantized on a GPU).
+
 `eval_memory` predicts chunked-prefill evaluation (`pose_mlx.perplexity`, `pose_mlx.passkey`); `make_plan` and
 `check_fits` compare a prediction with the memory available (`available_memory`, `parse_size`).
 """

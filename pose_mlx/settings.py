@@ -114,7 +114,8 @@ _HELP = {
     "warmup": "linear warm-up updates, then linear decay to 0 (default 10)",
     "max_grad_norm": "clip the global gradient norm (default 1.0)",
     "grad_checkpoint": "recompute block activations in the backward pass: slower (a second forward of each block), "
-                       "the memory saved depends on the run (Llama-2-7B LoRA at a 4k window: 94 -> 24 GiB; "
+                       "the memory saved depends on the run (Llama-2-7B LoRA at a 4k window: 94 -> 24 GiB on the CPU, "
+                       "97 -> 32 GiB on a GPU; "
                        "`python -m pose_mlx.plan` predicts yours)",
     "align_rows": "pad every training row with masked tokens to a multiple of 128 inputs, the query length for "
                   "which MLX's CUDA attention differentiates through cuDNN's fused kernel instead of recomputing "

@@ -263,3 +263,12 @@ def test_finetune_trains_the_rows_the_plan_predicts(tiny_model, text_dir, tmp_pa
         tokens[align] = [r["tokens"] for r in read_log(out / "train_log.jsonl")]
     if memory.compute_backend() == "cpu":
         assert widths == [128] * len(widths) and tokens["auto"] == tokens["on"] == [15, 15]
+
+
+def test_align_rows_in_yaml_reads_on_and_off(folder, tmp_path):
+    """YAML 1.1 reads an unquoted on/off as a boolean; both spellings mean the flag's values."""
+    from pose_mlx.settings import parse_invocation
+
+    for text, expected in (("on", "on"), ("off", "off"), ("'auto'", "auto")):
+        (tmp_path / "run.yaml").write_text(f"model: {folder}\ntarget: 16k\nalign_rows: {text}\n")
+        assert parse_invocation(["--config", str(tmp_path / "run.yaml")]).settings.align_rows == expected
