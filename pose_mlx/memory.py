@@ -801,8 +801,14 @@ KV_CACHE_STEP = 256  # mlx-lm's KVCache grows its buffers by this many positions
 TILE_BYTES = 32 << 20  # pose_mlx.cpu_attention's score tile per worker
 
 
+#: On a GPU, MLX's unfused attention held about this many score-sized arrays at the peak of a chunk (one on the CPU):
+#: measured once on an H200 (a 3-block float32 toy, 1024 tokens in chunks of 256: 23.1 MB for 11.6 predicted with
+#: one): 3.75, rounded up.
+GPU_EVAL_SCORES = 4
+
+
 def eval_memory(config: dict | Architecture, length: int, chunk: int = 512, *, all_logits: bool = True,
-                cpu_attention: bool | None = None) -> Estimate:
+                cpu_attention: bool | None = None, backend: str | None = None) -> Estimate:
     """Peak bytes of scoring one `length`-token sequence by chunked prefill (`pose_mlx.longctx.prefill`, what
     `pose_mlx.perplexity`, `pose_mlx.passkey` and `pose_mlx.ruler` run), chunk C = min(chunk, length), hidden h,
     intermediate I, kv_dims = kv_heads x head_dim, c bytes per activation:
@@ -820,7 +826,9 @@ def eval_memory(config: dict | Architecture, length: int, chunk: int = 512, *, a
     more C x h float32 array, and one layer's keys and values (2 x kv_dims x L) and the chunk's queries are cast
     first, with 4 C x h float32 arrays alive, which is the peak when larger. On MLX's own attention it is 9 C x h
     arrays in float32, 3 in the model's dtype and 5 x C x kv_dims x c, plus the chunk's scores (heads x C x L x c;
-    twice with soft-capping) and its boolean mask (C x L bytes).
+    twice with soft-capping) and its boolean mask (C x L bytes). On a GPU (`backend`, default `compute_backend()`)
+    the unfused attention holds `GPU_EVAL_SCORES` score matrices; CUDA's fused attention (a 16-bit model, head
+    dims a multiple of 8 up to 128) none.
 
     On the CPU path the scores live in NumPy tiles (at most `TILE_BYTES` per worker) beside NumPy copies of the
     chunk's queries and output, outside MLX's allocator: `peak` (what `mx.get_peak_memory()` measures) leaves
@@ -833,6 +841,7 @@ def eval_memory(config: dict | Architecture, length: int, chunk: int = 512, *, a
         import mlx.core as mx
 
         cpu_attention = mx.default_device() == mx.cpu
+    backend = backend or compute_backend()
     c = arch.dtype_bytes
     C = min(chunk, length)
     capacity = -(-length // KV_CACHE_STEP) * KV_CACHE_STEP
@@ -849,10 +858,14 @@ def eval_memory(config: dict | Architecture, length: int, chunk: int = 512, *, a
             activations = max(activations, casts - logits)
     else:
         activations = (9 * 4 + 3 * c) * stream + (2 * arch.intermediate + 5 * arch.kv_dims) * C * c
+    fused = (backend == "cuda" and arch.dtype in ("float16", "bfloat16") and not arch.spec.softcap
+             and arch.head_dim % 8 == 0 and arch.head_dim <= 128)
+    if backend != "cpu":
+        scores = 0 if fused else int(GPU_EVAL_SCORES * scores)
     breakdown = {
         "weights": arch.weight_bytes(),
         "kv_cache": 2 * arch.layers * arch.kv_dims * capacity * c,
-        "attention_scores": 0 if cpu_attention else scores + C * length,
+        "attention_scores": 0 if cpu_attention or (backend != "cpu" and fused) else scores + C * length,
         "logits": logits,
         "activations": activations,
     }
@@ -861,5 +874,5 @@ def eval_memory(config: dict | Architecture, length: int, chunk: int = 512, *, a
     details = {"parameters": arch.parameter_counts()["total"], "length": length, "chunk": C,
                "kv_cache_per_token": 2 * arch.layers * arch.kv_dims * c, "family": arch.family,
                "known_family": arch.known, "warnings": list(arch.warnings), "numpy_bytes": numpy_bytes,
-               "cpu_attention": cpu_attention}
+               "cpu_attention": cpu_attention, "backend": backend}
     return Estimate(sum(breakdown.values()), "eval", breakdown, details)
