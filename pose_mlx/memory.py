@@ -353,6 +353,7 @@ class TrainSettings:
     target: int | None = None
     backend: str = "cpu"  # where MLX computes: "cpu", "metal" or "cuda" (`compute_backend`)
     row_multiple: int = 1  # rows padded to a multiple of this (finetune's --align-rows; 128 when on)
+    cudnn: bool = True  # with CUDA: the GPU runs cuDNN's attention (compute capability 8 or newer, `cudnn_capable`)
 
     def __post_init__(self):
         for name in ("window", "batch_size", "lora_rank", "grad_accum"):
@@ -458,7 +459,8 @@ def attention_path(arch: Architecture, settings: TrainSettings) -> str:
     trains unfused on purpose), "fused" (CUDA: cuDNN forward and backward, no score matrix at all: a 16-bit
     model, head dims a multiple of 8 up to 128, rows a multiple of 128) or "fused-forward" (the same on CUDA with
     other row lengths: the forward is fused, the backward recomputes the scores through the unfused path)."""
-    if settings.backend != "cuda" or arch.dtype not in ("float16", "bfloat16") or arch.spec.softcap:
+    if settings.backend != "cuda" or not settings.cudnn or arch.dtype not in ("float16", "bfloat16") \
+            or arch.spec.softcap:
         return "unfused"
     if arch.head_dim % 8 or arch.head_dim > 128:
         return "unfused"
@@ -608,6 +610,16 @@ def compute_backend() -> str:
     if mx.default_device() != mx.gpu:
         return "cpu"
     return "cuda" if hasattr(mx, "cuda") and mx.cuda.is_available() else "metal"
+
+
+def cudnn_capable(info: dict | None = None) -> bool:
+    """Whether MLX's CUDA backend may run cuDNN's fused attention on this GPU: compute capability 8 (Ampere) or
+    newer, from `info` (default `mx.device_info()`); True when the device does not say."""
+    if info is None:
+        import mlx.core as mx
+
+        info = mx.device_info()
+    return int(info.get("compute_capability_major", 8)) >= 8
 
 
 #: MLX's CUDA allocator caps its pool at this fraction of the GPU's total memory.
@@ -768,7 +780,8 @@ def run_settings(run, window: int, target: int | None, backend: str | None = Non
     return TrainSettings(window=window, batch_size=run.batch_size, lora=not run.full, lora_rank=run.lora_rank,
                          lora_layers=run.lora_layers, grad_checkpoint=run.grad_checkpoint, compile=run.compile,
                          grad_accum=run.grad_accum, sampler=run.sampler, target=target, backend=backend,
-                         row_multiple=row_multiple(run.align_rows, backend))
+                         row_multiple=row_multiple(run.align_rows, backend),
+                         cudnn=backend != "cuda" or cudnn_capable())
 
 
 def limit(run) -> tuple[int, str]:
@@ -859,7 +872,7 @@ def eval_memory(config: dict | Architecture, length: int, chunk: int = 512, *, a
     else:
         activations = (9 * 4 + 3 * c) * stream + (2 * arch.intermediate + 5 * arch.kv_dims) * C * c
     fused = (backend == "cuda" and arch.dtype in ("float16", "bfloat16") and not arch.spec.softcap
-             and arch.head_dim % 8 == 0 and arch.head_dim <= 128)
+             and arch.head_dim % 8 == 0 and arch.head_dim <= 128 and cudnn_capable())
     if backend != "cpu":
         scores = 0 if fused else int(GPU_EVAL_SCORES * scores)
     breakdown = {

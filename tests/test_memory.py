@@ -260,6 +260,9 @@ def test_attention_path_follows_mlx_cuda_dispatch():
     assert memory.attention_path(fp32, _gpu_settings(row_multiple=128)) == "unfused"
     wide = memory.architecture({**LLAMA2_7B, "num_attention_heads": 16, "num_key_value_heads": 16})  # head dim 256
     assert memory.attention_path(wide, _gpu_settings(row_multiple=128)) == "unfused"
+    assert memory.attention_path(arch, _gpu_settings(row_multiple=128, cudnn=False)) == "unfused"  # pre-Ampere
+    assert memory.cudnn_capable({"compute_capability_major": 9}) and not memory.cudnn_capable(
+        {"compute_capability_major": 7})
 
 
 @pytest.mark.parametrize("compiled, rows, measured_gib", [
