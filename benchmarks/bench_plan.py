@@ -9,7 +9,13 @@
    `mx.get_peak_memory()` when the command returns, against `pose_mlx.memory.eval_memory` at the longest length.
 3. A table computed by the planner alone: Llama-2-7B and -13B (their config.json values, below) extended from 4k
    to 32k, PoSE (a 4k window) and full-length fine-tuning, LoRA or full, checkpointing on/off, fp16 or 4-bit base,
-   against machines of 16/32/64/128 GB (usable: 75% of it, about Metal's default recommended working set).
+   on Metal (a Mac: the planner's GPU terms) against machines of 16/32/64/128 GB (usable: 75% of it, about
+   Metal's default recommended working set).
+
+Besides the float32 toys, the runs cover 16-bit bases (the 2M toy's weights stored as bfloat16 and as float16)
+and a real GGUF file (SmolLM2-135M-Instruct, Q4_1, which the loader dequantizes to float32 on the CPU), when it
+is in ~/.cache/pose_mlx/models. `--merge` runs only `--runs` and merges them into the existing results (the
+other rows, still valid, are kept; the Llama-2 table is recomputed).
 
 Writes benchmarks/results/plan.json (with both tables as Markdown) and benchmarks/results/plan.md.
 """
@@ -40,6 +46,8 @@ MODELS = {  # name -> make_model_folder arguments
     "10M": dict(hidden_size=320, num_layers=8, num_heads=5, intermediate_size=864, vocab_size=2048),
     "30M": dict(hidden_size=512, num_layers=10, num_heads=8, num_kv_heads=4, intermediate_size=1376, vocab_size=512),
 }
+CAST = {"2M-bf16": ("2M", "bfloat16"), "2M-fp16": ("2M", "float16")}  # the 2M toy's weights stored 16-bit
+GGUF = {"SmolLM2-Q4_1": Path("~/.cache/pose_mlx/models/SmolLM2-135M-Instruct.Q4_1.gguf").expanduser()}
 # (model, window, target, method, batch, full fine-tuning, gradient checkpointing, compiled, extra flags)
 RUNS = [
     ("2M", 256, 1024, "pose", 1, False, False, False, []),
@@ -56,6 +64,10 @@ RUNS = [
     ("30M", 1024, 4096, "pose", 2, False, True, True, []),
     ("30M", 512, 2048, "pose", 2, True, False, False, []),
     ("30M", 512, 2048, "full", 1, False, True, True, []),
+    ("2M-bf16", 256, 1024, "pose", 1, False, False, False, []),
+    ("2M-bf16", 256, 1024, "pose", 2, True, False, True, []),
+    ("2M-fp16", 512, 2048, "pose", 1, False, True, True, []),
+    ("SmolLM2-Q4_1", 1024, 16384, "pose", 1, False, False, True, ["--schedule", "yarn", "--lora-rank", "16"]),
 ]
 
 LLAMA2 = {  # the config.json values of meta-llama/Llama-2-7b-hf and Llama-2-13b-hf that decide memory
@@ -70,12 +82,16 @@ MACHINES_GB = (16, 32, 64, 128)
 USABLE = 0.75
 
 
-def build_models(workdir: Path) -> dict:
+def build_models(workdir: Path, needed: set) -> dict:
+    """The model folders (or GGUF files) of the names in `needed`, built in `workdir` unless already there."""
     from pose_mlx import toy
 
     folders = {}
     texts = None
+    needed = set(needed) | {CAST[n][0] for n in needed if n in CAST}
     for name, kwargs in MODELS.items():
+        if name not in needed:
+            continue
         folder = workdir / f"toy-{name}"
         if not (folder / "config.json").is_file():
             if kwargs["vocab_size"] > 512 and texts is None:
@@ -88,7 +104,30 @@ def build_models(workdir: Path) -> dict:
                 toy.make_model_folder(folder, texts=texts if kwargs["vocab_size"] > 512 else None,
                                       max_position_embeddings=4096, **kwargs)
         folders[name] = folder
+    for name, (base, dtype) in CAST.items():
+        if name not in needed:
+            continue
+        folder = workdir / f"toy-{name}"
+        if not (folder / "config.json").is_file():
+            cast_folder(folders[base], folder, dtype)
+        folders[name] = folder
+    folders.update({name: path for name, path in GGUF.items() if path.is_file()})
     return folders
+
+
+def cast_folder(source: Path, folder: Path, dtype: str) -> None:
+    """A copy of the model folder `source` with its weights stored as `dtype` (and said so in config.json)."""
+    import shutil
+
+    import mlx.core as mx
+
+    shutil.copytree(source, folder)
+    for path in folder.glob("*.safetensors"):
+        weights = mx.load(str(path))
+        mx.save_safetensors(str(path), {k: v.astype(getattr(mx, dtype)) for k, v in weights.items()},
+                            metadata={"format": "mlx"})
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "torch_dtype": dtype}, indent=1))
 
 
 def finetune_flags(folder: Path, run, workdir: Path, index: int) -> list[str]:
@@ -105,8 +144,8 @@ def finetune_flags(folder: Path, run, workdir: Path, index: int) -> list[str]:
 
 
 def predict(flags: list[str]) -> memory.Estimate:
-    _s, _ref, config, settings = planner.planned_run(flags)
-    return memory.training_memory(config, settings)
+    _s, ref, config, settings = planner.planned_run(flags)
+    return memory.training_memory(memory.loaded_architecture(config, ref, settings.backend), settings)
 
 
 def measure_training(flags: list[str], workdir: Path, index: int) -> dict:
@@ -184,7 +223,7 @@ def llama2_table() -> list[dict]:
                         if quant == "4-bit":
                             cfg["quantization"] = {"group_size": 64, "bits": 4}
                         settings = memory.TrainSettings(window=window, target=32768, lora=training == "LoRA",
-                                                        grad_checkpoint=checkpoint, sampler="pose")
+                                                        grad_checkpoint=checkpoint, sampler="pose", backend="metal")
                         est = memory.training_memory(cfg, settings)
                         rows.append({"model": model, "sampler": sampler, "base": quant, "training": training,
                                      "grad_checkpoint": checkpoint, "peak_bytes": est.peak, "phase": est.phase,
@@ -224,11 +263,15 @@ def main() -> None:
     parser.add_argument("--skip-eval", action="store_true", help="skip the evaluation check")
     parser.add_argument("--eval-only", action="store_true",
                         help="run only the evaluation check and update it in the existing results JSON")
+    parser.add_argument("--merge", action="store_true",
+                        help="merge the --runs into the existing results JSON instead of replacing it")
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench-plan-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    folders = build_models(workdir)
+    indices = [int(i) for i in args.runs.split(",")] if args.runs else range(len(RUNS))
+    needed = {RUNS[i][0] for i in indices} | (set() if args.skip_eval or args.merge else {"10M"})
+    folders = build_models(workdir, {"10M"} if args.eval_only else needed)
     if args.eval_only:
         path = Path(args.output) if args.output else RESULTS_DIR / "plan.json"
         results = json.loads(path.read_text())
@@ -237,10 +280,10 @@ def main() -> None:
         write_results("plan", results, path)
         print(json.dumps(results["summary"]), f"\nupdated the evaluation check in {path}")
         return
-    params = {name: memory.architecture(json.loads((f / "config.json").read_text())).parameter_counts()["total"]
-              for name, f in folders.items()}
+    params = {name: memory.architecture(planner.source.read_config(planner.source.resolve(str(f))))
+              .parameter_counts()["total"] for name, f in folders.items()}
     print("models:", {k: f"{v / 1e6:.1f}M" for k, v in params.items()}, flush=True)
-    indices = [int(i) for i in args.runs.split(",")] if args.runs else range(len(RUNS))
+    indices = [i for i in indices if RUNS[i][0] in folders]  # a GGUF file that is not here is left out
     rows = []
     for i in indices:
         run = RUNS[i]
@@ -253,7 +296,14 @@ def main() -> None:
               f"{memory.format_size(row['predicted_bytes'])} ({row['phase']}), measured "
               f"{memory.format_size(row['measured_bytes'])}, error {row['error'] * 100:+.1f}% ({row['seconds']} s)",
               flush=True)
-    evals = [] if args.skip_eval else evaluation_check(folders)
+    path = Path(args.output) if args.output else RESULTS_DIR / "plan.json"
+    previous = json.loads(path.read_text()) if args.merge else {}
+    if args.merge:
+        key = lambda r: (r["model"], r["window"], r["target"], r["sampler"], r["batch"], r["training"],  # noqa: E731
+                         r["grad_checkpoint"], r["compiled"], r["extra_flags"])
+        new = {key(r) for r in rows}
+        rows = [r for r in previous["training"] if key(r) not in new] + rows
+    evals = previous.get("evaluation", []) if args.merge or args.skip_eval else evaluation_check(folders)
     errors = [abs(r["error"]) for r in rows]
     llama = llama2_table()
     summary = {
@@ -263,11 +313,12 @@ def main() -> None:
         "eval_max_abs_error": max((abs(e["error"]) for e in evals), default=None),
     }
     md = ("## Predicted vs measured peak memory of `python -m pose_mlx.finetune --steps 3`\n\n"
-          + markdown_training(rows) + "\n\n## What fits: Llama-2 extended from 4k to 32k "
-          f"(usable memory = {USABLE:.0%} of the machine's)\n\n" + markdown_llama(llama) + "\n")
+          + markdown_training(rows) + "\n\n## What fits on a Mac: Llama-2 extended from 4k to 32k "
+          f"(Metal; usable memory = {USABLE:.0%} of the machine's)\n\n" + markdown_llama(llama) + "\n")
     results = {
-        "description": __doc__.split("\n")[0], "data": DATA, "models": {k: {**MODELS[k], "parameters": params[k]}
-                                                                        for k in MODELS},
+        "description": __doc__.split("\n")[0], "data": DATA,
+        "models": {**previous.get("models", {}), **{k: {**MODELS.get(k, {}), **({"cast_from": CAST[k][0], "dtype": CAST[k][1]} if k in CAST else {}),
+                       **({"gguf": GGUF[k].name} if k in GGUF else {}), "parameters": params[k]} for k in params}},
         "training": rows, "evaluation": evals, "summary": summary, "llama2": llama, "llama2_configs": LLAMA2,
         "usable_fraction": USABLE, "markdown": md,
     }

@@ -35,6 +35,14 @@ RMSNorm and the loss, so there the prediction errs high. Families other than lla
 (extra norms, q/k norms, fused projections, biases); a family this module does not know is estimated from the
 config's shapes as a llama-style block, with a warning.
 
+On a GPU (`TrainSettings.backend` "cuda" or "metal") two things change. The attention: MLX's CUDA backend runs
+cuDNN's fused attention for 16-bit models, which keeps no score matrix when the rows' query length is a multiple
+of 128 and recomputes it in the backward otherwise (`attention_path`; Metal trains unfused, like the CPU). And the
+activations, logits and temporaries are scaled by `GPU_FACTORS`, fitted to measurements on an H200 (docs/memory.md
+says which numbers are measured and which modelled). Rows are those really trained: window - 1 inputs padded to
+`row_multiple` (finetune's --align-rows). The weights are counted in the dtype they have once loaded
+(`loaded_architecture`: a GGUF file is dequantized to float32 on the CPU, kept quantized on a GPU).
+
 `eval_memory` predicts chunked-prefill evaluation (`pose_mlx.perplexity`, `pose_mlx.passkey`); `make_plan` and
 `check_fits` compare a prediction with the memory available (`available_memory`, `parse_size`).
 """
@@ -49,6 +57,7 @@ from dataclasses import dataclass, field, replace
 from .errors import UserError
 
 GiB = 2**30
+BACKENDS = ("cpu", "metal", "cuda")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 #: Keys every config must have (the planner names the missing ones).
 REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "vocab_size")
@@ -125,6 +134,7 @@ class Architecture:
     spec: Family = field(default_factory=Family)
     warnings: tuple = ()
     prequantized: bool = False  # a GGUF file's quantized weights (config["gguf_quantization"]): not advised to quantize
+    loaded_bytes: int | None = None  # the weights' bytes as the loader really holds them (`loaded_architecture`)
 
     @property
     def q_dims(self) -> int:
@@ -179,7 +189,10 @@ class Architecture:
 
     def weight_bytes(self) -> int:
         """Bytes of the weights as loaded: the config's dtype, or mlx-lm's quantized layout (packed uint32
-        weights of `bits` per value plus one scale and one bias per `group_size` values, in the dtype)."""
+        weights of `bits` per value plus one scale and one bias per `group_size` values, in the dtype); or, when
+        set, `loaded_bytes`, what the loader of a GGUF file really holds."""
+        if self.loaded_bytes is not None:
+            return self.loaded_bytes
         counts = self.parameter_counts()
         c = self.dtype_bytes
         if not self.quant_bits:
@@ -278,6 +291,49 @@ def architecture(config: dict) -> Architecture:
                         bits, group, spec, tuple(warnings), bool(config.get("gguf_quantization")))
 
 
+def gguf_loaded(arch: Architecture, tensors, backend: str) -> Architecture:
+    """`arch` as `pose_mlx.model.gguf.load_gguf` really loads a GGUF file of `tensors` ((type name, shape) pairs)
+    on `backend`: on the CPU every tensor dequantized to float32; on a GPU in the file's precision (float32 for an
+    all-F32 file, bfloat16 when it has BF16 tensors, else float16) with Q8_0/Q4_0/Q4_1 matrices kept as MLX's
+    affine quantization (group 32: bits/8 bytes per value, a scale and a bias per group in that precision).
+    The activations follow the same dtype; the weights' bytes are summed tensor by tensor (`loaded_bytes`)."""
+    from collections import Counter
+
+    quant = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}
+    tensors = [(str(kind), tuple(int(n) for n in shape)) for kind, shape in tensors]
+    kinds = {kind for kind, _ in tensors}
+    if backend == "cpu" or kinds == {"F32"}:
+        dtype = "float32"
+    else:
+        dtype = "bfloat16" if "BF16" in kinds else "float16"
+    c, total, bits = DTYPE_BYTES[dtype], 0, Counter()
+    for kind, shape in tensors:
+        n = math.prod(shape)
+        if backend != "cpu" and kind in quant and len(shape) == 2:
+            total += n * quant[kind] // 8 + 2 * (n // 32) * c
+            bits[quant[kind]] += n
+        else:
+            total += n * c
+    kept = bits.most_common(1)[0][0] if bits else None
+    warnings = tuple(w for w in arch.warnings if "torch_dtype" not in w)  # the file's tensors say the dtype
+    return replace(arch, dtype=dtype, quant_bits=kept, quant_group=32 if kept else None, loaded_bytes=total,
+                   warnings=warnings)
+
+
+def loaded_architecture(config: dict, ref=None, backend: str | None = None) -> Architecture:
+    """The shapes of `config` with the dtype and weight bytes the model has once loaded on `backend` (default:
+    MLX's, `compute_backend`): a GGUF file (`ref` a `pose_mlx.model.source.ModelRef`) as `gguf_loaded` says; a
+    model folder as its config says (mlx-lm keeps the stored dtype and quantization)."""
+    arch = architecture(config)
+    if ref is None or not getattr(ref, "is_gguf", False):
+        return arch
+    from .model.gguf import read_header
+
+    header = read_header(ref.path)
+    return gguf_loaded(arch, [(t.type_name, t.shape) for t in header.tensors.values()],
+                       backend or compute_backend())
+
+
 # ------------------------------------------------------------------------------------------- the run
 
 
@@ -296,6 +352,9 @@ class TrainSettings:
     grad_accum: int = 1
     sampler: str = "pose"  # how position ids are drawn; "full": full-length sampling, rows of `target` tokens
     target: int | None = None
+    backend: str = "cpu"  # where MLX computes: "cpu", "metal" or "cuda" (`compute_backend`)
+    row_multiple: int = 1  # rows padded to a multiple of this (finetune's --align-rows; 128 when on)
+    cudnn: bool = True  # with CUDA: the GPU runs cuDNN's attention (compute capability 8 or newer, `cudnn_capable`)
 
     def __post_init__(self):
         for name in ("window", "batch_size", "lora_rank", "grad_accum"):
@@ -303,13 +362,15 @@ class TrainSettings:
                 raise UserError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.sampler == "full" and not self.target:
             raise UserError("full-length sampling (--sampler full) needs the target length")
+        if self.backend not in BACKENDS:
+            raise UserError(f"backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
 
     @property
     def row_tokens(self) -> int:
-        """Tokens per row the model sees: inputs are a window (or, for --method full, the target) minus the
-        last token, which is only a label."""
+        """Tokens per row the model sees: inputs are a window (or, for --sampler full, the target) minus the
+        last token, which is only a label, padded up to a multiple of `row_multiple`."""
         length = self.target if self.sampler == "full" else self.window
-        return max(int(length) - 1, 1)
+        return -(-max(int(length) - 1, 1) // self.row_multiple) * self.row_multiple
 
 
 @dataclass(frozen=True)
@@ -388,6 +449,34 @@ def _mlp_saved(arch: Architecture) -> int:
     return 6 if arch.family in ("gemma", "gemma2") else 5
 
 
+#: The query length MLX's CUDA attention backward needs for cuDNN (mlx/fast.cpp and
+#: mlx/backend/cuda/scaled_dot_product_attention.cpp: ScaledDotProductAttentionVJP::use_fallback).
+FUSED_BACKWARD_ROWS = 128
+
+
+def attention_path(arch: Architecture, settings: TrainSettings) -> str:
+    """How MLX differentiates a training step's attention on `settings.backend` (see docs/memory.md for the
+    sources): "unfused" (softmax(Q K^T / sqrt(d)) V, scores kept for the backward: the CPU, and Metal, which
+    trains unfused on purpose), "fused" (CUDA: cuDNN forward and backward, no score matrix at all: a 16-bit
+    model, head dims a multiple of 8 up to 128, rows a multiple of 128) or "fused-forward" (the same on CUDA with
+    other row lengths: the forward is fused, the backward recomputes the scores through the unfused path)."""
+    if settings.backend != "cuda" or not settings.cudnn or arch.dtype not in ("float16", "bfloat16") \
+            or arch.spec.softcap:
+        return "unfused"
+    if arch.head_dim % 8 or arch.head_dim > 128:
+        return "unfused"
+    return "fused" if settings.row_tokens % FUSED_BACKWARD_ROWS == 0 else "fused-forward"
+
+
+#: On a GPU, arrays that the CPU evaluator frees at once are kept until the kernels queued with them have run, so
+#: more activations and temporaries are alive: (compile, grad_checkpoint) -> factor on those (not on the weights,
+#: the optimizer state or the score matrices). Fitted to one H200 measurement each (Llama-2-7B shape, bfloat16,
+#: LoRA, checkpointing, 4k window: compiled 31.4 GiB, eager 55.9 GiB) with a margin; the modes without
+#: checkpointing were not measured and take the eager factor.
+GPU_FACTORS = {(True, True): 2.15, (True, False): 1.08, (False, True): 1.08, (False, False): 1.08}
+TRANSIENT = ("activations", "logits", "backward_temporaries", "update_temporaries")
+
+
 def training_memory(config: dict | Architecture, settings: TrainSettings) -> Estimate:
     """Peak bytes of one training step of `settings` on the model of `config` (second and later steps,
     when the AdamW state exists): see the module docstring for the terms."""
@@ -427,11 +516,17 @@ def training_memory(config: dict | Architecture, settings: TrainSettings) -> Est
     qk = 8 * (tq + tkv) // c if arch.spec.qk_norm else 0  # q/k norms keep their normalized input and output
     block_saved = 2 * td + norms * 8 * td // c + 2 * tq + 2 * tkv + _mlp_saved(arch) * ti + qk + lora_tokens
     block_scores = score * (2 if arch.spec.softcap else 1)
+    path = attention_path(arch, settings)
     if settings.grad_checkpoint:  # the block input stays; the block being differentiated is recomputed
         cd, ci, cs = counts.checkpointed
         saved, saved_scores, recompute, recompute_scores = td + cd * td + ci * ti, cs * score, block_saved, block_scores
     else:
         saved, saved_scores, recompute, recompute_scores = block_saved, block_scores, 0, 0
+    if path != "unfused":  # the fused forward keeps no scores; the unfused backward recomputes them
+        saved_scores, recompute_scores = 0, (0 if path == "fused" else block_scores)
+    if path == "fused":  # cuDNN's backward keeps the float32 log-sum-exp of each query instead
+        saved += B * arch.heads * L * 4 if not settings.grad_checkpoint else 0
+        recompute += B * arch.heads * L * 4
     # the inputs and output gradients of a block's linear layers wait for the (last) weight-gradient products
     # (distinct inputs: the two norm outputs, the attention output and the MLP's product)
     # (LoRA: the adapters' output gradients are float32, and so are their promoted inputs)
@@ -447,7 +542,7 @@ def training_memory(config: dict | Architecture, settings: TrainSettings) -> Est
     wide = (c + 4) / (2 * c)
     head_rest = wide * (hd * td + hi * ti)
     bs, bd, bi = counts.backward
-    work_scores, work_rest = bs * score, wide * (bd * td + bi * ti)
+    work_scores, work_rest = (0 if path == "fused" else bs * score), wide * (bd * td + bi * ti)
     if not settings.lora:  # weight gradients already allocated by the evaluator running ahead
         ge, gb = counts.gradients
         head_rest += int(ge * params["embedding"] * c)
@@ -466,6 +561,10 @@ def training_memory(config: dict | Architecture, settings: TrainSettings) -> Est
     phases["update"] = {**persistent, "gradients": gradients, "activations": 0, "attention_scores": 0, "logits": 0,
                         "backward_temporaries": 0,
                         "update_temporaries": 4 * in_flight * gradients // max(arrays, 1)}
+    if settings.backend != "cpu":
+        factor = GPU_FACTORS[(settings.compile, settings.grad_checkpoint)]
+        phases = {name: {k: v * factor if k in TRANSIENT else v for k, v in parts.items()}
+                  for name, parts in phases.items()}
     phases = {name: {k: int(v) for k, v in parts.items()} for name, parts in phases.items()}
     totals = {name: sum(parts.values()) for name, parts in phases.items()}
     phase = max(totals, key=totals.get)
@@ -474,7 +573,7 @@ def training_memory(config: dict | Architecture, settings: TrainSettings) -> Est
         "tokens_per_row": L, "tokens_per_step": T * settings.grad_accum, "dtype": arch.dtype,
         "activation_bytes_per_block": saved + saved_scores, "score_matrix_bytes": score,
         "logits_bytes": tv, "phase_peaks": totals, "family": arch.family, "known_family": arch.known,
-        "warnings": list(arch.warnings),
+        "warnings": list(arch.warnings), "backend": settings.backend, "attention": path,
     }
     return Estimate(totals[phase], phase, phases[phase], details)
 
@@ -503,24 +602,64 @@ def parse_size(text) -> int:
     return int(value)
 
 
-def available_memory() -> tuple[int, str]:
-    """(bytes a run may use, where the number comes from): Metal's recommended working set when MLX runs on a
-    GPU, else Linux's MemAvailable, else the physical memory (os.sysconf)."""
+def compute_backend() -> str:
+    """Where MLX computes by default: "cuda", "metal" or "cpu" (also "cpu" when MLX is not importable)."""
     try:
         import mlx.core as mx
+    except ImportError:
+        return "cpu"
+    if mx.default_device() != mx.gpu:
+        return "cpu"
+    return "cuda" if hasattr(mx, "cuda") and mx.cuda.is_available() else "metal"
 
-        if mx.default_device() == mx.gpu:
+
+def cudnn_capable(info: dict | None = None) -> bool:
+    """Whether MLX's CUDA backend may run cuDNN's fused attention on this GPU: compute capability 8 (Ampere) or
+    newer, from `info` (default `mx.device_info()`); True when the device does not say."""
+    if info is None:
+        import mlx.core as mx
+
+        info = mx.device_info()
+    return int(info.get("compute_capability_major", 8)) >= 8
+
+
+#: MLX's CUDA allocator caps its pool at this fraction of the GPU's total memory.
+CUDA_LIMIT_FRACTION = 0.95
+
+
+def available_memory(*, backend: str | None = None, info: dict | None = None,
+                     meminfo: str = "/proc/meminfo") -> tuple[int, str]:
+    """(bytes a run may use, where the number comes from), from the device MLX computes on (`compute_backend`):
+
+    - cuda: the GPU's free memory (`mx.device_info()["free_memory"]`, cudaMemGetInfo), at most MLX's allocator
+      limit of 95% of `total_memory`;
+    - metal: the recommended working set (`max_recommended_working_set_size`; `memory_size` without it);
+    - cpu: Linux's MemAvailable in `meminfo`, else the physical memory (os.sysconf).
+
+    `backend` and `info` (a device_info dict) default to MLX's; tests pass them to check the contract. A GPU
+    whose device_info names no memory falls back to the host's numbers."""
+    backend = backend or compute_backend()
+    if backend != "cpu":
+        if info is None:
+            import mlx.core as mx
+
             info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
+        if backend == "cuda":
+            total, free = int(info.get("total_memory", 0)), int(info.get("free_memory", 0))
+            if total or free:
+                limit = int(CUDA_LIMIT_FRACTION * total) if total else free
+                return min(free or limit, limit), "the GPU's free memory, at most 95% of its total (mx.device_info)"
+        else:
             size = int(info.get("max_recommended_working_set_size", 0))
             if size:
                 return size, "the GPU's recommended working set (mx.device_info)"
-    except Exception:  # no MLX, no GPU: the CPU's memory below
-        pass
+            if int(info.get("memory_size", 0)):
+                return int(info["memory_size"]), "the GPU's memory size (mx.device_info)"
     try:
-        with open("/proc/meminfo") as f:
+        with open(meminfo) as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"
+                    return int(line.split()[1]) * 1024, f"MemAvailable in {meminfo}"
     except OSError:
         pass
     try:
@@ -618,7 +757,7 @@ def make_plan(config: dict | Architecture, settings: TrainSettings, available: i
     if not settings.lora:
         options.append(("train LoRA adapters instead of all weights (--lora)", arch, {"lora": True}))
     quantize = not arch.quant_bits and not arch.prequantized  # never advise quantizing quantized weights
-    q4 = replace(arch, quant_bits=4, quant_group=64) if quantize else arch
+    q4 = replace(arch, quant_bits=4, quant_group=64, loaded_bytes=None) if quantize else arch
     if quantize:
         options.append(("a 4-bit quantized base with LoRA (mlx_lm.convert -q)", q4, {"lora": True}))
     if settings.sampler != "full" and 2 <= largest_window < settings.window:
@@ -633,12 +772,18 @@ def make_plan(config: dict | Architecture, settings: TrainSettings, available: i
     return Plan(estimate, settings, available, largest_batch, largest_window, suggestions)
 
 
-def run_settings(run, window: int, target: int | None) -> TrainSettings:
+def run_settings(run, window: int, target: int | None, backend: str | None = None) -> TrainSettings:
     """The memory model's view of a fine-tuning run's settings (`pose_mlx.settings.RunSettings`) at the resolved
-    training window and target."""
+    training window and target, on `backend` (default: where MLX computes), with the rows it really trains
+    (--align-rows)."""
+    from .training.data import row_multiple
+
+    backend = backend or compute_backend()
     return TrainSettings(window=window, batch_size=run.batch_size, lora=not run.full, lora_rank=run.lora_rank,
                          lora_layers=run.lora_layers, grad_checkpoint=run.grad_checkpoint, compile=run.compile,
-                         grad_accum=run.grad_accum, sampler=run.sampler, target=target)
+                         grad_accum=run.grad_accum, sampler=run.sampler, target=target, backend=backend,
+                         row_multiple=row_multiple(run.align_rows, backend),
+                         cudnn=backend != "cuda" or cudnn_capable())
 
 
 def limit(run) -> tuple[int, str]:
@@ -646,13 +791,15 @@ def limit(run) -> tuple[int, str]:
     return (parse_size(run.max_memory), "--max-memory") if run.max_memory else available_memory()
 
 
-def check_run(config: dict, run, window: int, target: int | None) -> Plan | None:
+def check_run(config: dict, run, window: int, target: int | None, ref=None) -> Plan | None:
     """The memory plan of a fine-tuning run (None when it trains nothing); refuses (UserError, one line with the
-    change that fits) a run whose predicted peak exceeds its limit, unless it asks to be forced (`run.force`)."""
+    change that fits) a run whose predicted peak exceeds its limit, unless it asks to be forced (`run.force`).
+    `ref` (a `pose_mlx.model.source.ModelRef`): the model as loaded on this backend (`loaded_architecture`)."""
     if run.sampler == "none":
         return None
     settings, available = run_settings(run, window, target), limit(run)[0]
-    return make_plan(config, settings, available) if run.force else check_fits(config, settings, available)
+    arch = loaded_architecture(config, ref, settings.backend)
+    return make_plan(arch, settings, available) if run.force else check_fits(arch, settings, available)
 
 
 def check_fits(config: dict | Architecture, settings: TrainSettings, max_memory: int) -> Plan:
@@ -671,8 +818,14 @@ KV_CACHE_STEP = 256  # mlx-lm's KVCache grows its buffers by this many positions
 TILE_BYTES = 32 << 20  # pose_mlx.cpu_attention's score tile per worker
 
 
+#: On a GPU, MLX's unfused attention held about this many score-sized arrays at the peak of a chunk (one on the CPU):
+#: measured once on an H200 (a 3-block float32 toy, 1024 tokens in chunks of 256: 23.1 MB for 11.6 predicted with
+#: one): 3.75, rounded up.
+GPU_EVAL_SCORES = 4
+
+
 def eval_memory(config: dict | Architecture, length: int, chunk: int = 512, *, all_logits: bool = True,
-                cpu_attention: bool | None = None) -> Estimate:
+                cpu_attention: bool | None = None, backend: str | None = None) -> Estimate:
     """Peak bytes of scoring one `length`-token sequence by chunked prefill (`pose_mlx.longctx.prefill`, what
     `pose_mlx.perplexity`, `pose_mlx.passkey` and `pose_mlx.ruler` run), chunk C = min(chunk, length), hidden h,
     intermediate I, kv_dims = kv_heads x head_dim, c bytes per activation:
@@ -690,7 +843,9 @@ def eval_memory(config: dict | Architecture, length: int, chunk: int = 512, *, a
     more C x h float32 array, and one layer's keys and values (2 x kv_dims x L) and the chunk's queries are cast
     first, with 4 C x h float32 arrays alive, which is the peak when larger. On MLX's own attention it is 9 C x h
     arrays in float32, 3 in the model's dtype and 5 x C x kv_dims x c, plus the chunk's scores (heads x C x L x c;
-    twice with soft-capping) and its boolean mask (C x L bytes).
+    twice with soft-capping) and its boolean mask (C x L bytes). On a GPU (`backend`, default `compute_backend()`)
+    the unfused attention holds `GPU_EVAL_SCORES` score matrices; CUDA's fused attention (a 16-bit model, head
+    dims a multiple of 8 up to 128) none.
 
     On the CPU path the scores live in NumPy tiles (at most `TILE_BYTES` per worker) beside NumPy copies of the
     chunk's queries and output, outside MLX's allocator: `peak` (what `mx.get_peak_memory()` measures) leaves
@@ -703,6 +858,7 @@ def eval_memory(config: dict | Architecture, length: int, chunk: int = 512, *, a
         import mlx.core as mx
 
         cpu_attention = mx.default_device() == mx.cpu
+    backend = backend or compute_backend()
     c = arch.dtype_bytes
     C = min(chunk, length)
     capacity = -(-length // KV_CACHE_STEP) * KV_CACHE_STEP
@@ -719,10 +875,14 @@ def eval_memory(config: dict | Architecture, length: int, chunk: int = 512, *, a
             activations = max(activations, casts - logits)
     else:
         activations = (9 * 4 + 3 * c) * stream + (2 * arch.intermediate + 5 * arch.kv_dims) * C * c
+    fused = (backend == "cuda" and arch.dtype in ("float16", "bfloat16") and not arch.spec.softcap
+             and arch.head_dim % 8 == 0 and arch.head_dim <= 128 and cudnn_capable())
+    if backend != "cpu":
+        scores = 0 if fused else int(GPU_EVAL_SCORES * scores)
     breakdown = {
         "weights": arch.weight_bytes(),
         "kv_cache": 2 * arch.layers * arch.kv_dims * capacity * c,
-        "attention_scores": 0 if cpu_attention else scores + C * length,
+        "attention_scores": 0 if cpu_attention or (backend != "cpu" and fused) else scores + C * length,
         "logits": logits,
         "activations": activations,
     }
@@ -731,5 +891,5 @@ def eval_memory(config: dict | Architecture, length: int, chunk: int = 512, *, a
     details = {"parameters": arch.parameter_counts()["total"], "length": length, "chunk": C,
                "kv_cache_per_token": 2 * arch.layers * arch.kv_dims * c, "family": arch.family,
                "known_family": arch.known, "warnings": list(arch.warnings), "numpy_bytes": numpy_bytes,
-               "cpu_attention": cpu_attention}
+               "cpu_attention": cpu_attention, "backend": backend}
     return Estimate(sum(breakdown.values()), "eval", breakdown, details)

@@ -102,7 +102,7 @@ def make_plan(invocation: Invocation) -> RunPlan:
     if s.sampler == "pose-middle" and window < 3:
         raise UserError(f"--sampler pose-middle needs a window of at least 3 tokens (head, middle, tail), got {window}")
     lora = None if s.full or s.sampler == "none" else _lora_spec(s, config)
-    memory_plan = memory.check_run(config, s, window, target)
+    memory_plan = memory.check_run(config, s, window, target, ref)
     label = Path(s.model.rstrip("/")).name.removesuffix(".gguf")  # the alias, the repo's or the folder's name
     output = Path(s.output).expanduser() if s.output else Path(f"{label}-{s.sampler}-{target}")
     plan = RunPlan(s, ref, config, original, target, window, output, run_folder(output), invocation.resume,
@@ -321,7 +321,10 @@ def _describe_run(s: memory.TrainSettings, plan: memory.Plan) -> str:
     sampler = (f"full-length rows of {s.target} tokens" if s.sampler == "full"
                else f"{s.sampler} window {s.window}" + (f" (target {s.target})" if s.target else ""))
     extras = [f"batch {s.batch_size}" + (f" x {s.grad_accum} accumulated" if s.grad_accum > 1 else ""),
-              "compiled" if s.compile else "eager", "gradient checkpointing" if s.grad_checkpoint else "no checkpointing"]
+              "compiled" if s.compile else "eager", "gradient checkpointing" if s.grad_checkpoint else "no checkpointing",
+              f"{d['tokens_per_row']} inputs per row" + (f" (padded to a multiple of {s.row_multiple})"
+                                                         if s.row_multiple > 1 else ""),
+              f"{s.backend} ({d['attention']} attention)"]
     return f"{mode}, {sampler}, {', '.join(extras)}"
 
 
@@ -402,11 +405,12 @@ def main(argv=None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     s, ref, config, settings = planned_run(argv)
-    arch = memory.architecture(config)
+    arch = memory.loaded_architecture(config, ref, settings.backend)
     available, where = memory.limit(s)
     plan = memory.make_plan(arch, settings, available)
     if "--json" in argv:
-        record = {**plan.as_dict(), "available_source": where, "model": s.model,
+        record = {**plan.as_dict(), "available_source": where, "model": s.model, "backend": settings.backend,
+                  "row_tokens": settings.row_tokens, "attention": plan.estimate.details["attention"],
                   "architecture": {k: v for k, v in asdict(arch).items() if k not in ("spec", "warnings")},
                   "settings": asdict(settings), "warnings": list(arch.warnings)}
         print(json.dumps(record, indent=1))

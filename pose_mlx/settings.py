@@ -30,6 +30,7 @@ from .rope import SCHEDULES, scaled_inv_freq, schedule_parameters
 
 RUN_SAMPLERS = ("pose", "pose-ref", "pose-middle", "randpos", "full", "plain", "none")
 RUN_FILE = "run.json"
+ALIGN_ROWS = ("auto", "on", "off")
 #: Settings that may differ between a run and its --resume without changing what the run computes.
 ADJUSTABLE = ("steps", "progress", "save_every", "cache_dir", "max_memory", "force")
 
@@ -61,6 +62,7 @@ class RunSettings:
     max_grad_norm: float = 1.0
     grad_checkpoint: bool = False
     compile: bool = True
+    align_rows: str = "auto"
     data: str | None = None
     min_length: int | None = None
     cache_dir: str = "~/.cache/pose_mlx/tokens"
@@ -126,8 +128,14 @@ _HELP = {
     "warmup": "linear warm-up updates, then linear decay to 0 (default 10)",
     "max_grad_norm": "clip the global gradient norm (default 1.0)",
     "grad_checkpoint": "recompute block activations in the backward pass: slower (a second forward of each block), "
-                       "the memory saved depends on the run (Llama-2-7B LoRA at a 4k window: 94 -> 24 GiB; "
+                       "the memory saved depends on the run (Llama-2-7B LoRA at a 4k window: 94 -> 24 GiB on the CPU, "
+                       "97 -> 32 GiB on a GPU; "
                        "`python -m pose_mlx.plan` predicts yours)",
+    "align_rows": "pad every training row with masked tokens to a multiple of 128 inputs, the query length for "
+                  "which MLX's CUDA attention differentiates through cuDNN's fused kernel instead of recomputing "
+                  "the score matrices: auto (default: on with CUDA, off on Metal and the CPU, which train with "
+                  "the unfused attention), on, off. Costs the padding's compute (up to 127 positions per row; "
+                  "1 with the default window of a power of two); the loss and its gradient are unchanged",
     "data": "text file, folder of .txt/.md/.py/.jsonl files (mlx-lm's train/valid/test.jsonl layout included), "
             "or a hub dataset repo",
     "min_length": "skip documents shorter than this many tokens (default: the window; the target for "
@@ -198,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--grad-checkpoint", action="store_true", help=_HELP["grad_checkpoint"])
     a("--no-compile", dest="compile", action="store_false",
       help="run the training step eagerly instead of under mx.compile (same math)")
+    a("--align-rows", choices=ALIGN_ROWS, help=_HELP["align_rows"])
     a("--data", help=_HELP["data"])
     a("--min-length", type=int, help=_HELP["min_length"])
     a("--cache-dir", help=_HELP["cache_dir"])
@@ -329,6 +338,8 @@ def _yaml_entry(path, key: str, value) -> dict:
         return out
     if name in _NEGATED:
         return {_NEGATED[name]: not _check_type(path, key, value, bool)}
+    if name == "align_rows" and isinstance(value, bool):  # YAML 1.1 reads on/off as booleans
+        value = "on" if value else "off"
     if name in ("resume", "overwrite"):  # what to do with an existing run folder: strictly a YAML boolean
         return {name: _check_type(path, key, value, bool)}
     name = _KEY_ALIASES.get(name, name)
@@ -509,6 +520,8 @@ def validate(s: RunSettings) -> None:
     if s.short_share and s.sampler in ("full", "plain", "none"):
         raise UserError(f"--short-share mixes short rows into a sampler that skips positions; --sampler "
                         f"{s.sampler} has none to mix with")
+    if s.align_rows not in ALIGN_ROWS:
+        raise UserError(f"--align-rows {s.align_rows!r} is not one of {', '.join(ALIGN_ROWS)}")
     if s.schedule not in SCHEDULES:
         close = difflib.get_close_matches(s.schedule, SCHEDULES, n=1)
         raise UserError(f"--schedule {s.schedule!r} is not a known schedule"
@@ -527,6 +540,6 @@ def validate(s: RunSettings) -> None:
         raise UserError(f"--schedule-param: {error}") from None
 
 
-__all__ = ["ADJUSTABLE", "Invocation", "RUN_FILE", "RUN_SAMPLERS", "RunSettings", "build_parser", "load_run_file",
+__all__ = ["ADJUSTABLE", "ALIGN_ROWS", "Invocation", "RUN_FILE", "RUN_SAMPLERS", "RunSettings", "build_parser", "load_run_file",
            "parse_invocation", "parse_param", "read_yaml", "run_folder", "save_run_file", "saved_world_size",
            "validate"]

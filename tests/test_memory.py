@@ -211,6 +211,127 @@ def test_available_memory_reads_the_machine():
         assert value <= int(line.split()[1]) * 1024
 
 
+def test_available_memory_on_the_cpu_is_memavailable(tmp_path):
+    fake = tmp_path / "meminfo"
+    fake.write_text("MemTotal:       16384000 kB\nMemFree:         1000 kB\nMemAvailable:    8000000 kB\n")
+    assert memory.available_memory(backend="cpu", meminfo=str(fake)) == (8_000_000 * 1024, f"MemAvailable in {fake}")
+    if memory.compute_backend() == "cpu" and Path("/proc/meminfo").is_file():
+        value, source = memory.available_memory()
+        line = next(l for l in Path("/proc/meminfo").read_text().splitlines() if l.startswith("MemAvailable:"))
+        assert source == "MemAvailable in /proc/meminfo"
+        assert abs(value - int(line.split()[1]) * 1024) < 2**28  # read a moment apart on a busy machine
+
+
+@pytest.mark.parametrize("free, total, expected", [
+    (100 * 2**30, 140 * 2**30, 100 * 2**30),  # other processes hold 40 GiB: what is free
+    (139 * 2**30, 140 * 2**30, int(0.95 * 140 * 2**30)),  # an idle GPU: MLX's allocator stops at 95%
+])
+def test_available_memory_on_cuda_is_free_memory_within_mlx_limit(free, total, expected):
+    value, source = memory.available_memory(backend="cuda", info={"free_memory": free, "total_memory": total,
+                                                                   "device_name": "fake"})
+    assert value == expected and "free memory" in source
+
+
+def test_available_memory_on_metal_is_the_recommended_working_set(tmp_path):
+    info = {"max_recommended_working_set_size": 48 * 2**30, "memory_size": 64 * 2**30}
+    assert memory.available_memory(backend="metal", info=info)[0] == 48 * 2**30
+    assert memory.available_memory(backend="metal", info={"memory_size": 64 * 2**30})[0] == 64 * 2**30
+    fake = tmp_path / "meminfo"
+    fake.write_text("MemAvailable:    1000 kB\n")
+    assert memory.available_memory(backend="cuda", info={}, meminfo=str(fake))[0] == 1000 * 1024  # no numbers
+
+
+def _gpu_settings(**changes):
+    return memory.TrainSettings(**{"window": 4096, "target": 32768, "grad_checkpoint": True, "backend": "cuda",
+                                   **changes})
+
+
+LLAMA2_7B = dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, intermediate_size=11008,
+                 num_attention_heads=32, num_key_value_heads=32, vocab_size=32000, tie_word_embeddings=False,
+                 torch_dtype="bfloat16")
+
+
+def test_attention_path_follows_mlx_cuda_dispatch():
+    arch = memory.architecture(LLAMA2_7B)
+    assert memory.attention_path(arch, _gpu_settings()) == "fused-forward"  # 4095 queries: unfused backward
+    assert memory.attention_path(arch, _gpu_settings(row_multiple=128)) == "fused"  # 4096 queries
+    assert memory.attention_path(arch, _gpu_settings(window=4097)) == "fused"
+    assert memory.attention_path(arch, _gpu_settings(backend="metal", row_multiple=128)) == "unfused"
+    assert memory.attention_path(arch, _gpu_settings(backend="cpu", row_multiple=128)) == "unfused"
+    fp32 = memory.architecture({**LLAMA2_7B, "torch_dtype": "float32"})  # cuDNN runs fp16/bf16 only
+    assert memory.attention_path(fp32, _gpu_settings(row_multiple=128)) == "unfused"
+    wide = memory.architecture({**LLAMA2_7B, "num_attention_heads": 16, "num_key_value_heads": 16})  # head dim 256
+    assert memory.attention_path(wide, _gpu_settings(row_multiple=128)) == "unfused"
+    assert memory.attention_path(arch, _gpu_settings(row_multiple=128, cudnn=False)) == "unfused"  # pre-Ampere
+    assert memory.cudnn_capable({"compute_capability_major": 9}) and not memory.cudnn_capable(
+        {"compute_capability_major": 7})
+
+
+@pytest.mark.parametrize("compiled, rows, measured_gib", [
+    (True, 4095, 31.4),  # measured on an H200, mlx 0.32.4: docs/memory.md
+    (False, 4095, 55.9),
+    (False, 4096, 53.2),
+])
+def test_gpu_prediction_holds_the_h200_measurements(compiled, rows, measured_gib):
+    settings = _gpu_settings(compile=compiled, window=rows + 1)
+    predicted = memory.training_memory(LLAMA2_7B, settings).peak / 2**30
+    assert 1.0 <= predicted / measured_gib <= 1.10  # never under, at most 10% over
+
+
+def test_fused_attention_keeps_no_score_matrix():
+    unfused = memory.training_memory(LLAMA2_7B, _gpu_settings(backend="metal", window=4097))
+    fused = memory.training_memory(LLAMA2_7B, _gpu_settings(window=4097))
+    forward_only = memory.training_memory(LLAMA2_7B, _gpu_settings(window=4096))
+    assert fused.details["attention"] == "fused" and fused.breakdown["attention_scores"] == 0
+    assert forward_only.breakdown["attention_scores"] >= 3 * forward_only.details["score_matrix_bytes"]
+    assert unfused.details["phase_peaks"]["backward"] > fused.details["phase_peaks"]["backward"]
+
+
+def test_cpu_predictions_do_not_depend_on_the_gpu_terms():
+    """The CPU default: no GPU factor, the unfused attention, rows of window - 1 (as every measurement here)."""
+    settings = memory.TrainSettings(window=512, target=4096)
+    assert settings.backend == "cpu" and settings.row_multiple == 1 and settings.row_tokens == 511
+    est = memory.training_memory(LLAMA2_7B, settings)
+    assert est.details["attention"] == "unfused" and est.details["backend"] == "cpu"
+    aligned = memory.TrainSettings(window=1000, target=4096, row_multiple=128)
+    assert aligned.row_tokens == 1024 and memory.TrainSettings(window=4097, row_multiple=128).row_tokens == 4096
+
+
+def _tiny_gguf(path, kinds):
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    import _gguf_helpers as H
+
+    tok = H.train_bpe()
+    config = H.model_config(tok.get_vocab_size(), tied=False)
+    H.write_gguf(path, config, H.random_weights(config, seed=1), H.bpe_metadata(tok, "gpt-2"),
+                 types=lambda name: kinds[name.split(".")[-2]])
+
+
+@pytest.mark.parametrize("gpu", [False, True], ids=["cpu", "gpu"])
+def test_gguf_weights_as_the_loader_holds_them(tmp_path, monkeypatch, gpu):
+    """The planner's bytes for a GGUF file equal the arrays `load_gguf` really builds: float32 on the CPU, the
+    quantized layout (group 32, float16 scales and biases) where MLX computes on a GPU."""
+    pytest.importorskip("gguf")
+    from gguf import GGMLQuantizationType as Q
+    from pose_mlx.model import gguf, source
+
+    kinds = {"token_embd": Q.Q8_0, "output": Q.Q4_1, "attn_q": Q.Q4_0, "attn_k": Q.Q4_1, "attn_v": Q.Q8_0,
+             "attn_output": Q.F16, "ffn_gate": Q.Q4_1, "ffn_up": Q.Q4_1, "ffn_down": Q.Q4_0}
+    path = tmp_path / "m.gguf"
+    _tiny_gguf(path, kinds)
+    if gpu:  # load as on a GPU (the arrays are only built, not computed with)
+        monkeypatch.setattr(gguf, "_default_device_is_cpu", lambda: False)
+    model, _, config = gguf.load_gguf(path)
+    _, nbytes = array_sizes(model)
+    arch = memory.loaded_architecture(source.read_config(source.resolve(str(path))), source.resolve(str(path)),
+                                      "cuda" if gpu else "cpu")
+    assert arch.weight_bytes() == nbytes
+    assert arch.dtype == ("float16" if gpu else "float32") and (arch.quant_bits is not None) == gpu
+    assert not any("torch_dtype" in w for w in arch.warnings)
+
+
 def test_plan_searches_what_fits():
     config = _llama(layers=8, hidden=512)
     settings = memory.TrainSettings(window=1024, batch_size=8, target=8192, compile=False)
@@ -287,3 +408,14 @@ def test_measured_eval_peak_within_10_percent(toy_folder):
         measured = int(_run(code, str(toy_folder), str(length), str(chunk), "cpu").split()[-1])
         predicted = memory.eval_memory(config, length, chunk, cpu_attention=True).peak
         assert abs(predicted / measured - 1) <= 0.10, ("cpu", length, chunk, predicted, measured)
+
+def test_gpu_eval_prediction_holds_the_h200_measurement():
+    """MLX's own attention on an H200 (the toy of test_measured_eval_peak_within_10_percent, 1024 tokens in chunks
+    of 256): 23.1 MB measured; the CPU's terms alone gave 11.6 MB. The CPU's prediction is unchanged."""
+    config = dict(model_type="llama", hidden_size=96, num_hidden_layers=3, intermediate_size=256, num_attention_heads=4,
+                  num_key_value_heads=4, vocab_size=512, tie_word_embeddings=True, torch_dtype="float32")
+    gpu = memory.eval_memory(config, 1024, 256, cpu_attention=False, backend="cuda").peak
+    cpu = memory.eval_memory(config, 1024, 256, cpu_attention=False, backend="cpu").peak
+    assert 1.0 <= gpu / 23.1e6 <= 1.10 and abs(cpu / 11.6e6 - 1) < 0.01
+    fused = memory.eval_memory({**config, "torch_dtype": "bfloat16"}, 1024, 256, cpu_attention=False, backend="cuda")
+    assert fused.breakdown["attention_scores"] == 0  # cuDNN's forward keeps no scores

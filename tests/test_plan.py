@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from _finetune_helpers import text_dir, tiny_model  # noqa: F401
 from pose_mlx import memory
 from pose_mlx import plan as planner
 from pose_mlx.errors import UserError
+from pose_mlx.training.data import ExampleStream, row_multiple, tokenize_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = dict(model_type="llama", hidden_size=512, num_hidden_layers=8, intermediate_size=1376, num_attention_heads=8,
@@ -48,8 +50,13 @@ def test_json_schema(folder, capsys):
     assert isinstance(out["largest_batch"], int) and isinstance(out["largest_window"], int)
     assert all({"change", "peak_bytes", "fits"} <= set(s) for s in out["suggestions"])
     assert out["settings"]["window"] == 2048 and out["settings"]["target"] == 16384  # window: the original
-    # the same numbers as the library gives for these settings
-    expected = memory.training_memory(CONFIG, memory.TrainSettings(window=2048, target=16384, batch_size=2))
+    # the same numbers as the library gives for these settings, on the backend MLX computes on here
+    backend = memory.compute_backend()
+    assert out["backend"] == backend and out["settings"]["backend"] == backend
+    assert out["row_tokens"] == out["details"]["tokens_per_row"] and out["attention"] == out["details"]["attention"]
+    expected = memory.training_memory(CONFIG, memory.TrainSettings(window=2048, target=16384, batch_size=2,
+                                                                   backend=backend,
+                                                                   row_multiple=row_multiple("auto", backend)))
     assert out["peak_bytes"] == expected.peak and out["breakdown"] == expected.breakdown
 
 
@@ -60,10 +67,13 @@ def test_flags_map_onto_settings(folder, capsys):
          "--frobnicate", "7"])
     assert config == CONFIG
     assert "ignoring flags the planner does not use: --frobnicate 7" in capsys.readouterr().err
+    backend = memory.compute_backend()
     assert settings == memory.TrainSettings(window=1024, batch_size=4, lora=False, lora_layers=3,
                                             grad_checkpoint=True, compile=False, grad_accum=2, sampler="full",
-                                            target=8192)
-    assert settings.row_tokens == 8191  # full-length sampling trains on target-token rows
+                                            target=8192, backend=backend,
+                                            row_multiple=row_multiple("auto", backend))
+    if backend == "cpu":
+        assert settings.row_tokens == 8191  # full-length sampling trains on target-token rows
 
 
 def test_table(folder):
@@ -122,6 +132,7 @@ def _empty(folder: Path) -> Path:
     (["--model", "{folder}", "--lora-layers", "99"], "between 1 and the model's 8 blocks"),
     (["--model", "{folder}", "--batch-size", "two"], "invalid int value"),
     (["--model", "{incomplete}"], "lacks intermediate_size, vocab_size"),
+    (["--model", "{folder}", "--align-rows", "maybe"], "invalid choice: 'maybe'"),
 ])
 def test_bad_input_is_one_line_exit_2(folder, argv, needle):
     incomplete = folder / "incomplete"
@@ -220,3 +231,125 @@ def test_gguf_dtype_from_its_tensors_and_no_quantizing_advice(tmp_path, capsys):
                           str(tmp_path / "out")]) == 0
     exported = json.loads((tmp_path / "out" / "config.json").read_text())
     assert "gguf_quantization" not in exported and "torch_dtype" not in exported
+
+
+
+# ------------------------------------------------------------------------------------- rows for fused attention
+
+
+def test_align_rows_auto_is_on_only_with_cuda():
+    assert [row_multiple("auto", b) for b in ("cpu", "metal", "cuda")] == [1, 1, 128]
+    assert [row_multiple("on", b) for b in ("cpu", "metal", "cuda")] == [128, 128, 128]
+    assert [row_multiple("off", b) for b in ("cpu", "metal", "cuda")] == [1, 1, 1]
+    with pytest.raises(ValueError):
+        row_multiple("yes", "cpu")
+
+
+def test_the_plan_predicts_the_rows_trained(folder):
+    base = ["--model", str(folder), "--target", "16k", "--window", "1000"]
+    *_, default = planner.planned_run(base)
+    if memory.compute_backend() == "cpu":  # the CPU's default is unchanged: window - 1 inputs, no padding
+        assert default.row_multiple == 1 and default.row_tokens == 999
+    *_, on = planner.planned_run(base + ["--align-rows", "on"])
+    *_, off = planner.planned_run(base + ["--align-rows", "off"])
+    assert (on.row_tokens, off.row_tokens) == (1024, 999)
+    peaks = [memory.training_memory(CONFIG, s).peak for s in (off, on)]
+    assert peaks[0] < peaks[1]  # 25 padding positions per row cost memory like real tokens
+
+
+class _Bytes:
+    """Token ids = UTF-8 bytes (no special tokens)."""
+
+    bos_token_id = eos_token_id = None
+
+    def encode(self, text):
+        return list(text.encode())
+
+    def get_vocab(self):
+        return {f"<{i}>": i for i in range(256)}
+
+
+def test_aligned_rows_hold_the_same_examples_padded(tmp_path):
+    """Forced on (as on CUDA): the same draws, each row padded with masked tokens to a multiple of 128 inputs."""
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for k in range(6):
+        (folder / f"{k}.txt").write_text("".join(chr(97 + (k * 7 + i) % 26) for i in range(400 + 50 * k)))
+    corpus = tokenize_corpus(folder, _Bytes(), tmp_path / "cache", 2, bos=False, eos=False, progress=False)
+    plain = ExampleStream(corpus, 300, 2048, batch_size=2, seed=4, pad_id=0)
+    aligned = ExampleStream(corpus, 300, 2048, batch_size=2, seed=4, pad_id=0, row_multiple=128)
+    for _ in range(3):
+        a, b = plain.next_batch(), aligned.next_batch()
+        assert a.inputs.shape == (2, 299) and b.inputs.shape == (2, 384)
+        for name in ("inputs", "targets", "positions", "mask"):
+            assert (getattr(b, name)[:, :299] == getattr(a, name)).all(), name
+        assert (b.mask[:, 299:] == 0).all() and b.mask.sum() == a.mask.sum() == 2 * 299
+        assert (b.positions[:, 299:] == b.positions[:, 298:299]).all()  # padding repeats the last position
+        assert (b.docs == a.docs).all()
+
+
+def test_padding_changes_neither_the_loss_nor_its_gradient():
+    """The masked loss of a causal model over a padded row equals the unpadded one, gradient included."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    import numpy as np
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    from pose_mlx.training.data import collate
+    from pose_mlx.training.loop import masked_loss
+
+    mx.random.seed(0)
+    model = llama.Model(llama.ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=2,
+                                        intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                        vocab_size=50, rms_norm_eps=1e-5))
+    x = np.random.default_rng(1).integers(1, 50, 21)
+    example = (x, np.arange(21), np.ones(20, np.float32))
+    grad = nn.value_and_grad(model, masked_loss)
+    results = []
+    for multiple in (1, 128):
+        batch = collate([example], [0], pad_id=0, multiple=multiple)
+        loss, grads = grad(model, mx.array(batch.inputs), mx.array(batch.targets), mx.array(batch.mask))
+        results.append((loss.item(), {k: np.array(v) for k, v in tree_flatten(grads)}))
+    (loss1, g1), (loss2, g2) = results
+    assert abs(loss1 - loss2) <= 1e-5 * abs(loss1) and loss1 > 1
+    for key in g1:
+        np.testing.assert_allclose(g2[key], g1[key], rtol=1e-4, atol=1e-6, err_msg=key)
+
+
+def test_finetune_trains_the_rows_the_plan_predicts(tiny_model, text_dir, tmp_path, monkeypatch, capsys):
+    """A real run, default and forced on: the batches the model sees have the planned widths, and the targets
+    trained (the log's tokens) are the same real ones."""
+    from _finetune_helpers import read_log
+    from pose_mlx.finetune import main as finetune
+
+    widths = []
+    next_batch = ExampleStream.next_batch
+
+    def spy(self):
+        batch = next_batch(self)
+        widths.append(batch.inputs.shape[1])
+        return batch
+
+    monkeypatch.setattr(ExampleStream, "next_batch", spy)
+    flags = ["--model", tiny_model, "--target", "64", "--window", "16", "--steps", "2", "--warmup", "1",
+             "--data", text_dir, "--cache-dir", tmp_path / "c", "--no-progress"]
+    tokens = {}
+    for align in ("auto", "on"):
+        widths.clear()
+        out = tmp_path / align
+        assert finetune([str(a) for a in flags + ["--align-rows", align, "--output", out]]) == 0, capsys.readouterr()
+        *_, settings = planner.planned_run([str(a) for a in flags + ["--align-rows", align]])
+        assert set(widths) == {settings.row_tokens}
+        tokens[align] = [r["tokens"] for r in read_log(out / "train_log.jsonl")]
+    if memory.compute_backend() == "cpu":
+        assert widths == [128] * len(widths) and tokens["auto"] == tokens["on"] == [15, 15]
+
+
+def test_align_rows_in_yaml_reads_on_and_off(folder, tmp_path):
+    """YAML 1.1 reads an unquoted on/off as a boolean; both spellings mean the flag's values."""
+    from pose_mlx.settings import parse_invocation
+
+    for text, expected in (("on", "on"), ("off", "off"), ("'auto'", "auto")):
+        (tmp_path / "run.yaml").write_text(f"model: {folder}\ntarget: 16k\nalign_rows: {text}\n")
+        assert parse_invocation(["--config", str(tmp_path / "run.yaml")]).settings.align_rows == expected

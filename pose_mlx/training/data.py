@@ -472,11 +472,29 @@ class Batch:
     short: np.ndarray | None = None  # bool (B,)
 
 
-def collate(examples: list[tuple[np.ndarray, np.ndarray, np.ndarray]], docs, pad_id: int = 0, short=None) -> Batch:
+#: Inputs per row that MLX's CUDA attention needs to differentiate through cuDNN's fused kernel (its backward
+#: falls back to the unfused attention for other query lengths; see docs/memory.md).
+FUSED_ATTENTION_ROWS = 128
+
+
+def row_multiple(align_rows: str, backend: str) -> int:
+    """What training rows are padded to a multiple of (finetune's --align-rows): `FUSED_ATTENTION_ROWS` for "on",
+    and for "auto" on CUDA (the one backend whose training attention is fused); 1 (no padding) otherwise."""
+    if align_rows not in ("auto", "on", "off"):
+        raise ValueError(f"align_rows must be auto, on or off, got {align_rows!r}")
+    aligned = align_rows == "on" or (align_rows == "auto" and backend == "cuda")
+    return FUSED_ATTENTION_ROWS if aligned else 1
+
+
+def collate(examples: list[tuple[np.ndarray, np.ndarray, np.ndarray]], docs, pad_id: int = 0, short=None,
+            multiple: int = 1) -> Batch:
     """Batch (tokens x, positions p, mask over targets) triples of possibly different lengths: shorter rows
-    are padded at the end with ``pad_id`` (positions repeat the last real one) and mask 0. ``short``: the rows'
-    short-context marks (see ``Batch``), or None."""
+    are padded at the end with ``pad_id`` (positions repeat the last real one) and mask 0, and every row to a
+    width that is a multiple of ``multiple`` (masked padding changes neither the loss nor its gradient: the
+    attention is causal, so no real token sees it). ``short``: the rows' short-context marks (see ``Batch``), or
+    None."""
     width = max(len(x) for x, _, _ in examples) - 1
+    width = -(-width // multiple) * multiple
     size = len(examples)
     inputs = np.full((size, width), pad_id, dtype=np.int32)
     targets = np.full((size, width), pad_id, dtype=np.int32)
@@ -521,7 +539,7 @@ class ExampleStream:
 
     def __init__(self, corpus: TokenizedCorpus, window: int, target: int, sampler: str = "pose", chunks: int = 2,
                  content: str = "uniform", batch_size: int = 1, seed: int = 0, pad_id: int = 0,
-                 rank: int = 0, world: int = 1, short_share: float = 0.0):
+                 rank: int = 0, world: int = 1, short_share: float = 0.0, row_multiple: int = 1):
         if not 0 <= rank < world:
             raise ValueError(f"rank must be in [0, world={world}), got {rank}")
         if sampler not in SAMPLERS:
@@ -537,7 +555,7 @@ class ExampleStream:
         self.corpus, self.window, self.target = corpus, window, target
         self.sampler, self.chunks, self.content = sampler, chunks, content
         self.batch_size, self.seed, self.pad_id = int(batch_size), seed, pad_id
-        self.rank, self.world = rank, world
+        self.rank, self.world, self.row_multiple = rank, world, int(row_multiple)
         need = required_length(window, target, sampler, content)
         self.length = target if sampler == "full" else window  # tokens per example
         if self.length < 2:
@@ -578,7 +596,7 @@ class ExampleStream:
         mine = drawn[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
         self.batches += 1
         return collate([self._materialize(d, e) for d, e, _ in mine], [d for d, _, _ in mine], self.pad_id,
-                       [s for _, _, s in mine] if self.short_share else None)
+                       [s for _, _, s in mine] if self.short_share else None, self.row_multiple)
 
     def __iter__(self) -> Iterator[Batch]:
         while True:
@@ -616,12 +634,14 @@ class TrainingData:
     skipped: ReadStats
 
 
-def training_data(settings, tokenizer, window: int, target: int, world) -> TrainingData:
+def training_data(settings, tokenizer, window: int, target: int, world, backend: str = "cpu") -> TrainingData:
     """Tokenize `settings.data` (rank 0 first; the other ranks then read its cache) and build the streams.
 
     `settings` is a `pose_mlx.settings.RunSettings`. Documents shorter than `settings.min_length` (default: the
     example length) are dropped. Held-out batches (for `eval_every`) come from mlx-lm's valid.jsonl when the data
-    has one, else from a seeded `heldout` fraction of the documents."""
+    has one, else from a seeded `heldout` fraction of the documents. Rows are padded to a multiple of
+    `row_multiple(settings.align_rows, backend)` (`backend`: where MLX computes, "cpu", "metal" or "cuda")."""
+    multiple = row_multiple(getattr(settings, "align_rows", "off"), backend)
     length = target if settings.sampler == "full" else window
     min_length = settings.min_length or length
     cache = Path(settings.cache_dir).expanduser()
@@ -647,7 +667,7 @@ def training_data(settings, tokenizer, window: int, target: int, world) -> Train
         return ExampleStream(c, window, target, sampler=settings.sampler, chunks=settings.chunks,
                              content=settings.content, batch_size=settings.batch_size * world.size // ranks,
                              seed=seed, pad_id=pad_id, rank=rank, world=ranks,
-                             short_share=settings.short_share)
+                             short_share=settings.short_share, row_multiple=multiple)
 
     eval_batches = None
     if heldout is not None:
