@@ -5,6 +5,7 @@ Runtime: ~30-45 s on 2 cores (the --quick pipeline fresh, fully cached, and stop
 
 import io
 import json
+import shutil
 import os
 import re
 import signal
@@ -299,6 +300,8 @@ def test_reuse_results_runs_only_what_the_earlier_run_lacks(quick, tmp_path, cap
     (tmp_path / "prior").mkdir()
     path = tmp_path / "prior" / "results.json"
     path.write_text(json.dumps(prior))
+    for png in quick.glob("passkey_heatmap_*.png"):  # the heatmaps that sit next to an earlier run's results
+        shutil.copyfile(png, tmp_path / "prior" / png.name)
     out, base = tmp_path / "again", ["--pretrained", str(quick / "pretrained")]
     capsys.readouterr()
     assert sim.main(["--quick", "--prose", "auto", "--out", str(out), *base, "--reuse-results", str(path)]) == 0
