@@ -73,7 +73,11 @@ def test_dry_run_writes_the_schema_with_sane_numbers(dry_run):
     assert result["first_update_seconds"] == plan[0]["first_update_seconds"]
     # each timed run: tokens/s is (window - 1) over its median seconds per update
     timed = [r for r in result["runs"] if "s_per_update" in r]
-    assert sorted(r["label"] for r in timed) == ["default", "default", "mlx_lm", "mlx_lm", "rows +1", "rows +1"]
+    assert sorted(r["label"] for r in timed) == ["default", "default", "mlx_lm", "mlx_lm", "rows +1", "rows +1",
+                                                 "rows off", "rows off"]  # finetune has --align-rows
+    alignment = result["alignment"]
+    assert alignment["flag_off"] == ["--align-rows", "off"]
+    assert alignment["ratio"] == pytest.approx(alignment["default_tokens_per_s"] / alignment["off_tokens_per_s"])
     for r in timed:
         assert r["tokens_per_s"] == pytest.approx((r["window"] - 1) / r["s_per_update"])
     assert not [r for r in result["runs"] if "error" in r]
