@@ -319,3 +319,19 @@ def test_real_collapses_are_caught():
     layer.weight = mx.full(layer.weight.shape, float("nan"))
     with pytest.raises(Collapsed, match="to nan"):
         check_not_collapsed(model, probe, _positions, before=start, step=3)
+
+
+def test_progress_bar_says_it_compiles_until_the_first_update(capsys):
+    """With mx.compile the bar names the first update's tracing (it can take ~90 s on a fresh GPU) and drops the
+    words once that update is done; eager runs say nothing of it."""
+    from pose_mlx.training.loop import _Progress
+
+    bar = _Progress(True, 3, 0, compiling=True)
+    assert bar.bar.desc.startswith("compiling the training step")
+    bar.update({"loss": 1.0, "tokens_per_s": 10.0, "peak_memory_gb": 0.1}, None)
+    assert bar.bar.desc == ""
+    bar.close()
+    eager = _Progress(True, 3, 0)
+    assert eager.bar.desc == ""
+    eager.close()
+    capsys.readouterr()

@@ -171,15 +171,19 @@ def _memory(gb: float) -> str:
 class _Progress:
     """tqdm bar (step, loss, tok/s, peak memory, ETA) or nothing."""
 
-    def __init__(self, enabled: bool, total: int, initial: int):
+    def __init__(self, enabled: bool, total: int, initial: int, compiling: bool = False):
         self.bar = None
         if enabled:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
+            if compiling:  # mx.compile traces the update on its first call: seconds on a CPU, ~90 s on a fresh GPU
+                self.bar.set_description_str("compiling the training step (first update only; --no-compile skips it)")
 
     def update(self, record: dict, eval_loss: float | None):
         if self.bar is not None:
+            if self.bar.desc:
+                self.bar.set_description_str("", refresh=False)
             shown = {"loss": f"{record['loss']:.4f}"}
             if eval_loss is not None:
                 shown["eval"] = f"{eval_loss:.4f}"
@@ -224,7 +228,7 @@ def train(model: nn.Module, stream, config: TrainConfig, run_dir, at_positions: 
     restore_call = _enable_grad_checkpoint(model) if config.grad_checkpoint else None
     update = make_update(model, optimizer, config, at_positions, world)
     batches = iter(stream)
-    bar = _Progress(config.progress and world.is_main, config.steps, start)
+    bar = _Progress(config.progress and world.is_main, config.steps, start, compiling=config.compile)
     mx.reset_peak_memory()
     try:
         log_file = open(log_path, "a") if world.is_main else contextlib.nullcontext()
