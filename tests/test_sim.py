@@ -336,7 +336,7 @@ def test_reuse_results_runs_only_what_the_earlier_run_lacks(quick, tmp_path, cap
 def test_bad_corpus_is_one_line_and_exit_2(tmp_path, capsys):
     assert sim.main(["--quick", "--corpus", str(tmp_path / "missing"), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("pose_mlx.sim: error: corpus:") and "no such file" in err[0]
+    assert len(err) == 1 and err[0].startswith("pose_mlx.sim: error: --corpus") and "no such file" in err[0]
     assert sim.main(["--quick", "--window", "0", "--out", str(tmp_path / "o")]) == 2
     assert capsys.readouterr().err.strip().startswith("pose_mlx.sim: error: --window")
 
