@@ -300,7 +300,7 @@ def main() -> None:
     previous = json.loads(path.read_text()) if args.merge else {}
     if args.merge:
         key = lambda r: (r["model"], r["window"], r["target"], r["sampler"], r["batch"], r["training"],  # noqa: E731
-                         r["grad_checkpoint"], r["compiled"], r["extra_flags"])
+                         r["grad_checkpoint"], r["compiled"], tuple(r["extra_flags"]))
         new = {key(r) for r in rows}
         rows = [r for r in previous["training"] if key(r) not in new] + rows
     evals = previous.get("evaluation", []) if args.merge or args.skip_eval else evaluation_check(folders)
