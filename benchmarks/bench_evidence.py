@@ -26,17 +26,19 @@ import platform
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_real_model import DOCS, OUT, corpus, model_file, run  # noqa: E402
 from common import write_results  # noqa: E402
-from protocol import PROTOCOLS, difference_tests, discordant, load_protocol  # noqa: E402
+from protocol import PROTOCOLS, difference_tests, discordant, load_protocol, select_recipe  # noqa: E402
 from sim_agreement import refresh as refresh_sim_agreement  # noqa: E402
 
 from pose_mlx.analysis.stats import wilson  # noqa: E402
 
 EVAL = OUT / "protocol" / "eval"
+SCREEN = OUT / "protocol" / "screen"  # the recipe screening's evaluations (its own seed), never pooled with EVAL
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -103,6 +105,7 @@ def finetune_command(t: dict, protocol: dict, gguf: Path, work: Path, train: Pat
             "--window", str(settings["window"]), "--data", str(train), "--cache-dir", str(work / "cache"),
             "--lora-rank", str(settings["lora_rank"]), "--lr", str(settings["lr"]), "--steps", str(settings["steps"]),
             "--warmup", str(settings["warmup"]), "--batch-size", str(settings["batch_size"]),
+            *(["--short-share", str(t["short_share"])] if "short_share" in t else []),
             "--seed", str(settings["seed"]), "--no-fuse", "--no-progress", "--output", str(out),
             "--save-every", "10", "--eval-every", "40", "--eval-batches", "4"]
 
@@ -143,19 +146,25 @@ def evaluations(protocol: dict, max_length: int | None) -> list[tuple[str, str, 
     return [item for item in order if max_length is None or item[2] <= max_length]
 
 
-def evaluate(name: str, kind: str, length: int, protocol: dict, gguf: Path, work: Path, test: Path) -> Path:
-    """One cached evaluation's JSON (run when missing)."""
-    path = EVAL / f"{name}.{kind}.{length}.json"
+def evaluate(name: str, kind: str, length: int, protocol: dict, gguf: Path, work: Path, test: Path,
+             screening: bool = False) -> Path:
+    """One cached evaluation's JSON (run when missing): of the confirmation stage, or with `screening` of the
+    recipe screening (its own folder, passkey seed and trial counts)."""
+    folder = SCREEN if screening else EVAL
+    path = folder / f"{name}.{kind}.{length}.json"
     if path.is_file():
         return path
-    spec = protocol["runs"][name]
+    spec = protocol["runs"].get(name, {"role": "pose"}) if screening else protocol["runs"][name]
     args = model_args(name, spec, protocol, gguf, work)
-    log = work / "logs" / f"protocol.{name}.{kind}.{length}.log"
+    log = work / "logs" / f"{'screen' if screening else 'protocol'}.{name}.{kind}.{length}.log"
     if kind == "passkey":
-        table = protocol["passkey"]["trials_base" if spec["role"] == "base" else "trials"]
-        n = table[length]
+        if screening:
+            n, seed = protocol["recipe"]["screening"]["passkey_trials"][length], protocol["recipe"]["screening"]["passkey_seed"]
+        else:
+            n = protocol["passkey"]["trials_base" if spec["role"] == "base" else "trials"][length]
+            seed = protocol["passkey"]["seed"]
         cmd = ["pose_mlx.passkey", *args, "--lengths", str(length), "--trials", str(n), "--depths", str(n),
-               "--seed", str(protocol["passkey"]["seed"])]
+               "--seed", str(seed)]
     elif kind == "ppl_unseen":
         u = protocol["perplexity"]["unseen"]
         cmd = ["pose_mlx.perplexity", *args, "--data", str(unseen_corpus(protocol, work)), "--lengths",
@@ -169,16 +178,78 @@ def evaluate(name: str, kind: str, length: int, protocol: dict, gguf: Path, work
         r = protocol["ruler"]
         cmd = ["pose_mlx.ruler", *args, "--lengths", str(length), "--tasks", ",".join(r["tasks"]), "--samples",
                str(r["samples"]), "--seed", str(r["seed"]), *(["--force"] if spec["role"] == "base" else [])]
+    folder.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".partial.json")
     run([*cmd, "--output", str(partial), "--no-progress"], log)
     record = json.loads(partial.read_text())
     record["device"] = device()
-    EVAL.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1) + "\n")
     partial.unlink()
     for png in partial.parent.glob(partial.stem + "*.png"):
         png.rename(png.with_name(png.name.replace(".partial", "")))
     return path
+
+
+def run_all(tasks: list[tuple], fn, jobs: int, label: int = 3) -> int:
+    """`fn(*task)` for every task, `jobs` at a time (each evaluation or fine-tuning is its own process, so several
+    share one GPU); prints each result, labelled by the task's first `label` items, in the tasks' order. A failed
+    task is reported and the rest go on; returns the number that failed."""
+    failed = 0
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        for task, future in [(t, pool.submit(fn, *t)) for t in tasks]:
+            name = " ".join(map(str, task[:label]))
+            try:
+                print(f"{name}: {future.result()}", flush=True)
+            except BaseException as e:  # noqa: BLE001 - a failed run (SystemExit from `run`) must not stop the rest
+                failed += 1
+                print(f"{name}: FAILED: {e}", flush=True)
+    return failed
+
+
+def screening_numbers(protocol: dict) -> dict:
+    """{candidate or "none": {"passkey": {length: accuracy}, "ppl_unseen": ..., "ppl": ...}} of the screening
+    evaluations done so far."""
+    out = {}
+    for path in sorted(SCREEN.glob("*.json")):
+        name, kind, length = path.name.removesuffix(".json").rsplit(".", 2)
+        record = json.loads(path.read_text())
+        entry = out.setdefault(name, {})
+        if kind == "passkey":
+            entry.setdefault("passkey", {})[int(length)] = sum(t["correct"] for t in record["trials"]) / len(record["trials"])
+        else:
+            entry[kind] = record["results"][0]["ppl"]
+    return out
+
+
+def screen(protocol: dict, gguf: Path, work: Path, train: Path, test: Path, jobs: int) -> str | None:
+    """The recipe screening: fine-tune every candidate with the protocol's settings, evaluate it on the
+    screening's own trials (and the base's unseen-domain perplexity on the same device), write
+    `protocol/screening.json` and return the winner by the protocol's rule (None while incomplete)."""
+    recipe = protocol["recipe"]
+    candidates = {name: {"role": "pose", "train": c["train"]} for name, c in recipe["candidates"].items()}
+    failed = run_all([(name, spec, protocol, gguf, work, train) for name, spec in candidates.items()],
+                     ensure_trained, jobs, label=1)
+    unseen = protocol["perplexity"]["unseen"]["length"]
+    tasks = [("none", "ppl_unseen", unseen)] + [(c, "ppl_unseen", unseen) for c in candidates]
+    tasks += [(c, "passkey", n) for n in sorted(recipe["screening"]["passkey_trials"]) for c in candidates]
+    tasks += [(c, "ppl", protocol["target"]) for c in candidates]
+    failed += run_all([(*t, protocol, gguf, work, test, True) for t in tasks], evaluate, jobs)
+    numbers = screening_numbers(protocol)
+    base = numbers.get("none", {}).get("ppl_unseen")
+    winner = None if base is None else select_recipe(protocol, numbers, base)
+    SCREEN.parent.mkdir(parents=True, exist_ok=True)
+    (SCREEN.parent / "screening.json").write_text(json.dumps(
+        {"selection": recipe["selection"], "numbers": numbers, "winner": winner, "failed": failed}, indent=1) + "\n")
+    return winner
+
+
+def with_winner(protocol: dict) -> dict:
+    """The protocol with the screening's winner (if decided) among its runs, as role pose."""
+    path = SCREEN.parent / "screening.json"
+    winner = json.loads(path.read_text())["winner"] if path.is_file() else None
+    if winner and winner not in protocol["runs"]:
+        protocol["runs"][winner] = {"role": "pose", "train": protocol["recipe"]["candidates"][winner]["train"]}
+    return protocol
 
 
 def collect(protocol: dict) -> dict:
@@ -334,7 +405,11 @@ def main(argv=None) -> int:
     p.add_argument("--work", type=Path, default=Path("out/real_model"),
                    help="corpus, token cache, model folders and logs (default out/real_model)")
     p.add_argument("--docs", type=Path, default=DOCS, help="the reST sources (default %(default)s)")
-    p.add_argument("--stage", choices=("train", "eval", "report", "all"), default="all", help="what to run")
+    p.add_argument("--stage", choices=("screen", "train", "eval", "report", "all"), default="all",
+                   help="what to run (screen: the recipe screening, whose winner then joins the runs)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="evaluations (and fine-tunings) run at once, each its own process (default 1; a GPU "
+                        "with room for several models takes more)")
     p.add_argument("--only", action="append", default=None, help="only these runs (repeatable)")
     p.add_argument("--max-length", type=int, default=None,
                    help="evaluate only lengths up to this (the rest waits for a faster machine)")
@@ -342,16 +417,25 @@ def main(argv=None) -> int:
     protocol = load_protocol(args.protocol)
     gguf = model_file()
     train, test = corpus(args.work, 4, args.docs)
+    if args.stage == "screen":
+        winner = screen(protocol, gguf, args.work, train, test, args.jobs)
+        print(f"screening winner: {winner or 'not decided yet'}", flush=True)
+        return 0
+    protocol = with_winner(protocol)
     names = [n for n in protocol["runs"] if not args.only or n in args.only]
+    failed = 0
     if args.stage in ("train", "eval", "all"):
-        for name in names:
-            if protocol["runs"][name]["role"] in ("control", "pose"):
-                ensure_trained(name, protocol["runs"][name], protocol, gguf, args.work, train)
+        trained = [n for n in names if protocol["runs"][n]["role"] in ("control", "pose")]
+        # one fine-tuning serves all controls: rebuild it once before the others run beside each other
+        for name in [n for n in trained if train_name(n, protocol["runs"][n]) == "adapt"][:1]:
+            ensure_trained(name, protocol["runs"][name], protocol, gguf, args.work, train)
+        failed += run_all([(n, protocol["runs"][n], protocol, gguf, args.work, train) for n in trained],
+                          ensure_trained, args.jobs, label=1)
     if args.stage in ("eval", "all"):
-        for name, kind, length in evaluations(protocol, args.max_length):
-            if name in names:
-                print(f"{name} {kind} {length}: {evaluate(name, kind, length, protocol, gguf, args.work, test)}",
-                      flush=True)
+        unseen_corpus(protocol, args.work)
+        tasks = [(n, kind, length, protocol, gguf, args.work, test)
+                 for n, kind, length in evaluations(protocol, args.max_length) if n in names]
+        failed += run_all(tasks, evaluate, args.jobs)
     results_path = OUT / "results.json"
     results = json.loads(results_path.read_text())
     runs = collect(protocol)
@@ -373,7 +457,7 @@ def main(argv=None) -> int:
     agreement = refresh_sim_agreement(real=results_path)  # the simulator's ranking against these runs, too
     print(f"sim_agreement: perplexity tau {agreement['ppl_tau']}, passkey tau {agreement['passkey_tau']} over "
           f"{', '.join(agreement['methods'])}", flush=True)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -104,3 +104,23 @@ def discordant(a: list[dict], b: list[dict]) -> tuple[int, int]:
         raise ValueError(f"matched trials need equal counts, got {len(a)} and {len(b)}")
     return (sum(1 for x, y in zip(a, b) if x["correct"] and not y["correct"]),
             sum(1 for x, y in zip(a, b) if y["correct"] and not x["correct"]))
+
+
+def select_recipe(protocol: dict, screening: dict, base_ppl_unseen: float) -> str | None:
+    """The recipe that wins the screening, by the protocol's `recipe.selection` rule, or None while a candidate is
+    unmeasured. `screening` maps each candidate to {"passkey": {length: accuracy}, "ppl_unseen": float,
+    "ppl": float} (lengths as ints). Qualified: passkey >= 0.95 at the shortest screened length and unseen-domain
+    perplexity within 3% of the base's (`base_ppl_unseen`); among them the highest passkey at the longest screened
+    length, ties broken by the lower target perplexity; with none qualified, the highest passkey at the shortest
+    length (ties: the lower target perplexity)."""
+    candidates = list(protocol["recipe"]["candidates"])
+    lengths = sorted(protocol["recipe"]["screening"]["passkey_trials"])
+    short, long = lengths[0], lengths[-1]
+    needed = [(c, short) for c in candidates] + [(c, long) for c in candidates]
+    if any(screening.get(c, {}).get("passkey", {}).get(n) is None for c, n in needed) or any(
+            screening.get(c, {}).get(k) is None for c in candidates for k in ("ppl_unseen", "ppl")):
+        return None
+    qualified = [c for c in candidates if screening[c]["passkey"][short] >= 0.95
+                 and abs(screening[c]["ppl_unseen"] / base_ppl_unseen - 1) <= 0.03]
+    pool, length = (qualified, long) if qualified else (candidates, short)
+    return max(pool, key=lambda c: (screening[c]["passkey"][length], -screening[c]["ppl"]))

@@ -12,7 +12,7 @@ import yaml
 from pose_mlx.analysis.stats import difference_interval, kendall_tau, power, verdict, wilson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from protocol import PROTOCOLS, checked_power, difference_tests, discordant, load_protocol  # noqa: E402
+from protocol import PROTOCOLS, checked_power, difference_tests, discordant, load_protocol, select_recipe  # noqa: E402
 
 # Newcombe (1998), Table II, method 10 (hybrid score), to the four decimals printed there.
 NEWCOMBE = [((56, 70, 48, 80), (0.0524, 0.3339)), ((9, 10, 3, 10), (0.1705, 0.8090)),
@@ -99,3 +99,25 @@ def test_difference_tests_on_hand_made_counts():
     a = [{"correct": c} for c in (1, 1, 0, 0, 1)]
     b = [{"correct": c} for c in (1, 0, 1, 0, 0)]
     assert discordant(a, b) == (2, 1)
+
+
+def test_select_recipe_follows_the_registered_rule():
+    """The screening's winner, by hand: qualified = 4k passkey >= 0.95 and unseen perplexity within 3% of the
+    base's; among them the best 32k passkey, ties to the lower 32k perplexity; none qualified: the best 4k."""
+    protocol = load_protocol(PROTOCOLS / "real_model.yaml")
+    protocol["recipe"]["candidates"] = {"a": {}, "b": {}, "c": {}}
+
+    def entry(p4, p32, unseen, ppl):
+        return {"passkey": {4096: p4, 32768: p32}, "ppl_unseen": unseen, "ppl": ppl}
+
+    numbers = {"a": entry(1.0, 0.6, 10.2, 5.0), "b": entry(0.9, 0.9, 10.0, 4.0), "c": entry(1.0, 0.6, 10.0, 4.5)}
+    assert select_recipe(protocol, numbers, 10.0) == "c"  # b fails 4k; a and c tie at 32k, c has lower ppl
+    numbers["a"]["ppl_unseen"] = 10.31  # 3.1% off the base: a no longer qualifies, c still wins
+    assert select_recipe(protocol, numbers, 10.0) == "c"
+    numbers["c"]["ppl_unseen"] = 9.6  # 4% *below* the base also breaks "within 3%": none qualifies -> best 4k
+    assert select_recipe(protocol, numbers, 10.0) == "c"  # a and c tie at 4k (1.0); c has the lower 32k ppl
+    numbers["a"]["passkey"][4096] = 0.8
+    numbers["c"]["passkey"][4096] = 0.7
+    assert select_recipe(protocol, numbers, 10.0) == "b"
+    del numbers["b"]["ppl"]
+    assert select_recipe(protocol, numbers, 10.0) is None  # unmeasured: no winner yet
