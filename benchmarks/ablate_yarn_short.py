@@ -18,17 +18,12 @@ Writes benchmarks/results/real_model/ablation_yarn_<length>.json (accuracy and t
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import subprocess
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, write_results  # noqa: E402
+from benchmarks.common import ORIGINAL, REAL_MODEL, TARGET, model_file, write_results
 
-ORIGINAL, TARGET = 8192, 32768
 VARIANTS = {
     "none": None,
     "yarn": ("yarn", {}),
@@ -49,9 +44,7 @@ def main() -> int:
     from pose_mlx.model import source
     from pose_mlx.passkey import accuracy_by_length, run_passkey
 
-    root = Path(__file__).resolve().parents[1]
-    gguf = subprocess.run([sys.executable, str(root / "tools" / "fetch_smollm2.py")], check=True,
-                          capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    gguf = str(model_file())
     out = {}
     for name in args.variants.split(","):
         model, tokenizer = source.load(source.resolve(gguf))
@@ -67,7 +60,7 @@ def main() -> int:
         print(f"{name}: {row['accuracy']:.2f} over {row['trials']} trials "
               f"(attention factor {out[name]['attention_factor']})", flush=True)
     write_results(f"ablation_yarn_{args.length}", {"length": args.length, "variants": out},
-                  RESULTS_DIR / "real_model" / f"ablation_yarn_{args.length}.json")
+                  REAL_MODEL / f"ablation_yarn_{args.length}.json")
     return 0
 
 

@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_results  # noqa: E402
-
-from pose_mlx.analysis import angle_histograms, dprope_factors, rope_inv_freq  # noqa: E402
+from benchmarks.common import write_results
+from pose_mlx.analysis import angle_histograms, dprope_factors, rope_inv_freq
 
 
 def loop_histograms(inv_freq, length: int, bins: int) -> np.ndarray:

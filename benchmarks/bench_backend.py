@@ -19,10 +19,8 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_results  # noqa: E402
+from benchmarks.common import child_env, write_results
 
 
 def _times(fn, min_reps: int, min_seconds: float) -> list[float]:
@@ -83,9 +81,9 @@ def measure(args) -> dict:
 
 
 def run_child(blas: str, argv: list[str]) -> dict:
-    """Run this script with --child under POSE_MLX_BLAS=`blas`; return the JSON it prints last."""
-    env = {**os.environ, "POSE_MLX_BLAS": blas}
-    proc = subprocess.run([sys.executable, __file__, "--child", *argv], env=env, capture_output=True, text=True)
+    """Run this benchmark with --child under POSE_MLX_BLAS=`blas`; return the JSON it prints last."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_backend", "--child", *argv],
+                          env=child_env(POSE_MLX_BLAS=blas), capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"child with POSE_MLX_BLAS={blas} failed:\n{proc.stderr}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

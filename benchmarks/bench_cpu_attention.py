@@ -37,26 +37,12 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from pose_mlx import cpu_attention, longctx
 from pose_mlx.backend import status as blas_status
+from benchmarks.common import RESULTS_DIR, SMOLLM2_135M, matmul_gflops, random_model, write_results
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pose_mlx.model import source  # noqa: E402
-from common import RESULTS_DIR, write_results  # noqa: E402
-
-SMOLLM2_135M = dict(model_type="llama", hidden_size=576, num_hidden_layers=30, intermediate_size=1536,
-                    num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
-                    rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
-                    max_position_embeddings=8192)
 FORMULA = ("flops = 2 * P * T + 2 * 2 * layers * heads * head_dim * T * (T + 1) / 2; P = parameters in matrix "
            "products (attention and MLP projections of every layer plus the vocab x hidden output head), "
            "T = prompt tokens; the same count for every variant")
 VARIANTS = ("mlx", "fast", "fast_all")
-
-
-def build_model(config: dict, seed: int = 0):
-    """A random-weight model of `config`, evaluated (`pose_mlx.model.source.build_model` is lazy)."""
-    model = source.build_model(config, seed=seed)
-    mx.eval(model.parameters())
-    return model
 
 
 def matmul_params(model, config: dict) -> int:
@@ -111,17 +97,6 @@ def max_relative(rows: dict, reference: dict) -> float:
     return float(np.abs(a - b).max() / np.abs(b).max())
 
 
-def matmul_gflops(n: int = 2048, reps: int = 5) -> float:
-    a, b = mx.random.normal((n, n), key=mx.random.key(1)), mx.random.normal((n, n), key=mx.random.key(2))
-    mx.eval(a @ b)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        mx.eval(a @ b)
-        times.append(time.perf_counter() - t0)
-    return 2 * n**3 / statistics.median(times) / 1e9
-
-
 def plot(path: Path, lengths: list[int], series: dict) -> Path:
     from pose_mlx.plots import line_vs_length
 
@@ -141,7 +116,7 @@ def main() -> None:
     args = parser.parse_args()
 
     lengths = longctx.parse_lengths(args.lengths)
-    model = build_model(SMOLLM2_135M)
+    model = random_model(SMOLLM2_135M)
     params = matmul_params(model, SMOLLM2_135M)
     rng = np.random.default_rng(0)
     peak_before = matmul_gflops()

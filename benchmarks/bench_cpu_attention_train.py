@@ -23,7 +23,6 @@ import dataclasses
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import pose_mlx  # noqa: F401
 import mlx.core as mx
@@ -35,15 +34,13 @@ from pose_mlx.cpu_attention import fast_attention
 from pose_mlx.training.data import ExampleStream
 from pose_mlx.training.loop import TrainConfig, make_optimizer, make_update
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_cpu_attention import SMOLLM2_135M, build_model  # noqa: E402
-from common import RESULTS_DIR, synthetic_corpus, write_results  # noqa: E402
+from benchmarks.common import RESULTS_DIR, SMOLLM2_135M, random_model, synthetic_corpus, write_results
 
 VARIANTS = {"compiled_mlx": dict(compile=True), "eager_mlx": dict(compile=False), "eager_fast": dict(compile=False)}
 
 
 def make_variant(args, corpus, config: TrainConfig, fast: bool):
-    model = build_model({**SMOLLM2_135M, "num_hidden_layers": args.layers})
+    model = random_model({**SMOLLM2_135M, "num_hidden_layers": args.layers})
     extend(model, "linear", args.window, args.window * args.factor)
     model.freeze()
     mx.random.seed(1)

@@ -51,9 +51,7 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from common import RESULTS_DIR, synthetic_corpus, write_results  # noqa: E402
+from benchmarks.common import RESULTS_DIR, child_env, synthetic_corpus, write_results
 
 RESULT = "RESULT "
 
@@ -164,9 +162,8 @@ def _run(ranks: int, how: str, args, worker_args: list[str]) -> tuple[list[dict]
     """The workers' results (sorted by rank) and the CPU seconds of everything `how` started (ranks included).
 
     `how`: "single" (one process), "direct" (ranks started here with a ring hostfile) or "mlx.launch"."""
-    path = os.pathsep.join(p for p in (str(HERE.parent), os.environ.get("PYTHONPATH")) if p)  # this checkout
-    env = dict(os.environ, OPENBLAS_NUM_THREADS=str(args.threads), PYTHONPATH=path)
-    me = [sys.executable, str(Path(__file__).resolve()), "--worker", *worker_args]
+    env = child_env(OPENBLAS_NUM_THREADS=str(args.threads))
+    me = [sys.executable, "-m", "benchmarks.bench_distributed", "--worker", *worker_args]
     cpu = _children_cpu()
     if how == "direct":
         with tempfile.TemporaryDirectory() as tmp:

@@ -18,7 +18,7 @@ import pose_mlx  # noqa: F401
 import mlx.core as mx
 from mlx_lm.models import llama
 
-from common import write_results
+from benchmarks.common import write_results
 from pose_mlx import longctx
 from pose_mlx.backend import status as blas_status
 from pose_mlx.memory import eval_memory

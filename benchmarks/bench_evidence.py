@@ -1,6 +1,6 @@
 """The pre-registered evidence for the real model: runs `benchmarks/protocols/real_model.yaml` as it stands.
 
-    python benchmarks/bench_evidence.py [--stage train|eval|report|all] [--only RUN] [--max-length N]
+    python -m benchmarks.bench_evidence [--stage train|eval|report|all] [--only RUN] [--max-length N]
 
 Every run of the protocol is evaluated with the project's own commands and the SmolLM2 GGUF file:
 - trained runs are rebuilt from their committed LoRA adapters (`adapters/<train>/`: `pose_mlx.convert` + the
@@ -13,9 +13,9 @@ Every run of the protocol is evaluated with the project's own commands and the S
 - the report stage writes the protocol's keys into `results/real_model/results.json`: `protocol`, `headline`,
   `tests`, and for each of the protocol's runs its confirmation numbers (`passkey`, `passkey_trials`,
   `ppl_unseen`, `ppl`, `ruler`, the devices) on top of its entry in `runs`, the exploratory stage's numbers
-  (`bench_real_model.py`, which keeps them there) under its `exploratory` key; and `protocol/report.md`,
+  (`bench_real_model`, which keeps them there) under its `exploratory` key; and `protocol/report.md`,
   `protocol/passkey.png`; then it brings `sim_agreement` (the simulator's ranking of the methods against the real
-  model's, `sim_agreement.py`) up to date in both results.json files and the simulator's report.
+  model's, `sim_agreement`) up to date in both results.json files and the simulator's report.
 """
 
 from __future__ import annotations
@@ -29,17 +29,14 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_real_model import DOCS, OUT, corpus, model_file, run  # noqa: E402
-from common import write_results  # noqa: E402
-from protocol import PROTOCOLS, difference_tests, discordant, load_protocol, select_recipe  # noqa: E402
-from sim_agreement import refresh as refresh_sim_agreement  # noqa: E402
+from benchmarks.common import (DOCS, REAL_MODEL, ROOT, corpus, finetune_command, model_file, passkey_command,
+                               perplexity_command, resume_command, ruler_command, run_logged, write_results)
+from benchmarks.protocol import PROTOCOLS, difference_tests, discordant, load_protocol, select_recipe
+from benchmarks.sim_agreement import refresh as refresh_sim_agreement
+from pose_mlx.analysis.stats import wilson
 
-from pose_mlx.analysis.stats import wilson  # noqa: E402
-
-EVAL = OUT / "protocol" / "eval"
-SCREEN = OUT / "protocol" / "screen"  # the recipe screening's evaluations (its own seed), never pooled with EVAL
-ROOT = Path(__file__).resolve().parents[1]
+EVAL = REAL_MODEL / "protocol" / "eval"
+SCREEN = REAL_MODEL / "protocol" / "screen"  # the recipe screening's evaluations (its own seed), never pooled with EVAL
 
 
 def train_name(name: str, spec: dict) -> str:
@@ -62,12 +59,12 @@ def ensure_trained(name: str, spec: dict, protocol: dict, gguf: Path, work: Path
     evaluates the same model."""
     folder_name = train_name(name, spec)
     out = work / "runs" / folder_name
-    adapters = ROOT / spec["adapters"] if "adapters" in spec else OUT / "protocol" / "adapters" / folder_name
+    adapters = ROOT / spec["adapters"] if "adapters" in spec else REAL_MODEL / "protocol" / "adapters" / folder_name
     source = adapters if adapters.is_dir() else None
     if source is None:
         trained = work / "trained" / folder_name
         if not (trained / "adapters.safetensors").is_file():
-            run(finetune_command(spec["train"], protocol, gguf, work, train, trained),
+            run_logged(protocol_finetune(spec["train"], protocol, gguf, work, train, trained),
                 work / "logs" / f"{folder_name}.finetune.log")
         adapters.mkdir(parents=True, exist_ok=True)
         for f in ("adapter_config.json", "pose_mlx.json", "config.json"):
@@ -77,7 +74,7 @@ def ensure_trained(name: str, spec: dict, protocol: dict, gguf: Path, work: Path
     if not (out / "adapters.safetensors").is_file():
         partial = out.with_name(out.name + ".rebuild")
         shutil.rmtree(partial, ignore_errors=True)
-        run(["pose_mlx.convert", str(gguf), str(partial)], work / "logs" / f"{folder_name}.convert.log")
+        run_logged(["pose_mlx.convert", str(gguf), str(partial)], work / "logs" / f"{folder_name}.convert.log")
         for f in source.iterdir():
             if f.name != "adapters.safetensors":
                 shutil.copyfile(f, partial / f.name)
@@ -93,20 +90,18 @@ def convert_weights(src: Path, dst: Path, dtype: str) -> None:
     subprocess.run([sys.executable, "-c", code, str(src), str(dst), dtype], check=True)
 
 
-def finetune_command(t: dict, protocol: dict, gguf: Path, work: Path, train: Path, out: Path) -> list[str]:
-    """`pose_mlx.finetune` with the protocol's shared settings and the run's sampler and schedule (resumed when
-    its run folder exists)."""
+def protocol_finetune(t: dict, protocol: dict, gguf: Path, work: Path, train: Path, out: Path) -> list[str]:
+    """`pose_mlx.finetune` with the protocol's shared settings and the run's sampler, schedule and short share
+    (resumed when its run folder exists)."""
     if (out.with_name(out.name + ".partial") / "run.json").is_file():
-        return ["pose_mlx.finetune", "--resume", "--output", str(out), "--no-progress"]
+        return resume_command(out)
     settings = protocol["training"]
-    params = [x for k, v in t.get("schedule_params", {}).items() for x in ("--schedule-param", f"{k}={v}")]
-    return ["pose_mlx.finetune", "--model", str(gguf), "--original", str(protocol["original"]),
-            "--target", str(protocol["target"]), "--sampler", t["sampler"], "--schedule", t["schedule"], *params,
-            "--window", str(settings["window"]), "--data", str(train), "--cache-dir", str(work / "cache"),
-            "--lora-rank", str(settings["lora_rank"]), "--lr", str(settings["lr"]), "--steps", str(settings["steps"]),
-            "--warmup", str(settings["warmup"]), "--batch-size", str(settings["batch_size"]),
+    return [*finetune_command(gguf, train, work, out, schedule=t["schedule"], window=settings["window"],
+                              steps=settings["steps"], lr=settings["lr"], rank=settings["lora_rank"],
+                              warmup=settings["warmup"], sampler=t["sampler"], batch_size=settings["batch_size"],
+                              seed=settings["seed"], original=protocol["original"], target=protocol["target"],
+                              schedule_params=t.get("schedule_params")),
             *(["--short-share", str(t["short_share"])] if "short_share" in t else []),
-            "--seed", str(settings["seed"]), "--no-fuse", "--no-progress", "--output", str(out),
             "--save-every", "10", "--eval-every", "40", "--eval-batches", "4"]
 
 
@@ -163,24 +158,19 @@ def evaluate(name: str, kind: str, length: int, protocol: dict, gguf: Path, work
         else:
             n = protocol["passkey"]["trials_base" if spec["role"] == "base" else "trials"][length]
             seed = protocol["passkey"]["seed"]
-        cmd = ["pose_mlx.passkey", *args, "--lengths", str(length), "--trials", str(n), "--depths", str(n),
-               "--seed", str(seed)]
+        cmd = passkey_command(args, length, n, seed)
     elif kind == "ppl_unseen":
         u = protocol["perplexity"]["unseen"]
-        cmd = ["pose_mlx.perplexity", *args, "--data", str(unseen_corpus(protocol, work)), "--lengths",
-               str(length), "--stride", str(u["stride"]), "--docs", str(len(u["files"])), "--min-doc-tokens",
-               str(u["span"]), "--truncate", str(u["span"])]
+        cmd = perplexity_command(args, unseen_corpus(protocol, work), length, u["stride"], len(u["files"]), u["span"])
     elif kind == "ppl":
         docs = protocol["perplexity"]["target"]["documents"]
-        cmd = ["pose_mlx.perplexity", *args, "--data", str(test), "--lengths", str(length), "--stride",
-               str(length), "--docs", str(docs), "--min-doc-tokens", str(length - 1), "--truncate", str(length - 1)]
+        cmd = perplexity_command(args, test, length, length, docs, length - 1)
     else:
         r = protocol["ruler"]
-        cmd = ["pose_mlx.ruler", *args, "--lengths", str(length), "--tasks", ",".join(r["tasks"]), "--samples",
-               str(r["samples"]), "--seed", str(r["seed"]), *(["--force"] if spec["role"] == "base" else [])]
+        cmd = ruler_command(args, str(length), ",".join(r["tasks"]), r["samples"], r["seed"], spec["role"] == "base")
     folder.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".partial.json")
-    run([*cmd, "--output", str(partial), "--no-progress"], log)
+    run_logged([*cmd, "--output", str(partial), "--no-progress"], log)
     record = json.loads(partial.read_text())
     record["device"] = device()
     path.write_text(json.dumps(record, indent=1) + "\n")
@@ -200,7 +190,7 @@ def run_all(tasks: list[tuple], fn, jobs: int, label: int = 3) -> int:
             name = " ".join(map(str, task[:label]))
             try:
                 print(f"{name}: {future.result()}", flush=True)
-            except BaseException as e:  # noqa: BLE001 - a failed run (SystemExit from `run`) must not stop the rest
+            except BaseException as e:  # noqa: BLE001 - a failed run (its SystemExit) must not stop the rest
                 failed += 1
                 print(f"{name}: FAILED: {e}", flush=True)
     return failed
@@ -237,9 +227,8 @@ def screen(protocol: dict, gguf: Path, work: Path, train: Path, test: Path, jobs
     numbers = screening_numbers(protocol)
     base = numbers.get("none", {}).get("ppl_unseen")
     winner = None if base is None else select_recipe(protocol, numbers, base)
-    SCREEN.parent.mkdir(parents=True, exist_ok=True)
-    (SCREEN.parent / "screening.json").write_text(json.dumps(
-        {"selection": recipe["selection"], "numbers": numbers, "winner": winner, "failed": failed}, indent=1) + "\n")
+    write_results("screening", {"selection": recipe["selection"], "numbers": numbers, "winner": winner,
+                                "failed": failed}, SCREEN.parent / "screening.json")
     return winner
 
 
@@ -312,13 +301,13 @@ def goal_rows(protocol: dict, runs: dict, name: str) -> list[tuple[str, object, 
 
 def write_report(protocol: dict, runs: dict, tests: list[dict], head: str) -> Path:
     """protocol/report.md and protocol/passkey.png: the confirmation stage as far as it has run."""
-    out = OUT / "protocol"
+    out = REAL_MODEL / "protocol"
     lengths = sorted(protocol["passkey"]["trials"])
     lines = [f"# Confirmation stage of `{protocol['name']}` (pre-registered: "
              f"`benchmarks/protocols/real_model.yaml`, {protocol['registered']})", "",
              "Every number below comes from the protocol's own trials (passkey seed "
              f"{protocol['passkey']['seed']}); the exploratory stage (seeds 0 and 1) is in `../report.md` and is "
-             "never pooled with these. `-`: not run yet. Command: `python benchmarks/bench_evidence.py`.", "",
+             "never pooled with these. `-`: not run yet. Command: `python -m benchmarks.bench_evidence`.", "",
              "## Passkey accuracy (trials; 95% Wilson interval), perplexity, RULER", "",
              "| run | role | " + " | ".join(map(str, lengths)) + " | ppl 2k, unseen domain | ppl 32k | RULER average |",
              "|---|---|" + "---|" * (len(lengths) + 3)]
@@ -436,7 +425,7 @@ def main(argv=None) -> int:
         tasks = [(n, kind, length, protocol, gguf, args.work, test)
                  for n, kind, length in evaluations(protocol, args.max_length) if n in names]
         failed += run_all(tasks, evaluate, args.jobs)
-    results_path = OUT / "results.json"
+    results_path = REAL_MODEL / "results.json"
     results = json.loads(results_path.read_text())
     runs = collect(protocol)
     tests = difference_tests(protocol, runs)

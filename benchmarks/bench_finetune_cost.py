@@ -24,7 +24,6 @@ tokens_per_step}) and benchmarks/results/finetune_cost.png; `--plot-only` draws 
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -42,8 +41,7 @@ from pose_mlx.model.source import build_model
 from pose_mlx.toy import model_config
 from pose_mlx.training.loop import TrainConfig, train
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, synthetic_corpus, write_results  # noqa: E402
+from benchmarks.common import RESULTS_DIR, synthetic_corpus, write_results
 
 VOCAB = 2048
 

@@ -17,8 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_results  # noqa: E402
+from benchmarks.common import write_results
 
 NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -1,10 +1,10 @@
-"""One GPU check in one command: `python benchmarks/bench_gpu.py` (about 8 minutes on one H100 / H200).
+"""One GPU check in one command: `python -m benchmarks.bench_gpu` (about 8 minutes on one H100 / H200).
 
 It builds a random Llama-2-7B-shaped bfloat16 llama itself (32 blocks, hidden 4096, 32 heads, intermediate 11008,
 vocabulary 32000, untied head; mlx-lm's llama class, written by `pose_mlx.toy`'s pieces with a sentencepiece
 tokenizer trained offline on the standard library, 512 pieces), an mlx-lm data folder of standard-library source
-(`bench_vs_mlx_lm.make_inputs`: every document longer than the window), and then measures, every tool run as its
-real command line in a child process (`bench_vs_mlx_lm.command` / `run`), LoRA rank 8 on every block, batch 1,
+(`common.make_inputs`: every document longer than the window), and then measures, every tool run as its
+real command line in a child process (`common.tool_command` / `run_tool`), LoRA rank 8 on every block, batch 1,
 `--target 32k --window 4096`, learning rate `LR` in both tools:
 
   plan         `python -m pose_mlx.plan --json` per configuration (compiled / eager x gradient checkpointing
@@ -15,7 +15,7 @@ real command line in a child process (`bench_vs_mlx_lm.command` / `run`), LoRA r
                (the first training run) and of the later compiled runs;
   throughput   pose_mlx vs `mlx_lm lora` (same model folder, rows, LoRA rank and blocks, batch 1, gradient
                checkpointing in both), interleaved; an update's time is the time between two consecutive
-               progress reports stamped by this script (`bench_vs_mlx_lm.periods`), median per run, tokens/s =
+               progress reports stamped by this script (`common.periods`), median per run, tokens/s =
                (window - 1) / that; ratio = pose_mlx tokens/s / mlx-lm tokens/s;
   row length   pose_mlx at windows 4096 and 4097 (4095- vs 4096-token rows fed to the model), side by side;
                when `python -m pose_mlx.finetune --help` lists a row-alignment flag these two run with it off,
@@ -53,11 +53,8 @@ from importlib import metadata
 from pathlib import Path
 from types import SimpleNamespace
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
-from bench_vs_mlx_lm import DRIVER, check_lengths, command, make_inputs, own_seconds, periods, run  # noqa: E402
-from common import RESULTS_DIR, write_results  # noqa: E402
+from benchmarks.common import (DRIVER, RESULTS_DIR, ROOT, check_lengths, child_env, make_inputs, own_seconds,
+                               periods, run_tool, tool_command, write_results)
 
 DEFAULT_OUTPUT = RESULTS_DIR / "gpu" / "gpu.json"
 INFO = "BENCH_GPU_MODEL "
@@ -128,11 +125,6 @@ def say(clock: Clock, text: str) -> None:
     print(f"[{clock.elapsed():6.1f} s] {text}", flush=True)
 
 
-def child_env() -> dict:
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
-                PYTHONUNBUFFERED="1", NO_COLOR="1")
-
-
 def build_model(folder: Path, size: dict, dry_run: bool, probe: bool = False) -> dict:
     """Build the model folder in a child (this process never starts MLX); the device it saw. `probe`: only that."""
     proc = subprocess.run([sys.executable, "-c", BUILD, str(folder),
@@ -182,8 +174,8 @@ class Runner:
 
     def pose_argv(self, window: int, steps: int, compiled: bool = True, checkpoint: bool = True,
                   extra: tuple = ()) -> list[str]:
-        """pose_mlx.finetune's flags (bench_vs_mlx_lm's LoRA command, `--target factor x`) for this run."""
-        cmd = command("pose_mlx", "lora", steps, self.args_for(window, steps), self.model, self.data, self.work)
+        """pose_mlx.finetune's flags (`common.tool_command`'s LoRA command, `--target factor x`) for this run."""
+        cmd = tool_command("pose_mlx", "lora", steps, self.args_for(window, steps), self.model, self.data, self.work)
         return cmd[4:] + ["--lr", LR, "--warmup", "0"] + (["--grad-checkpoint"] if checkpoint else []) \
             + ([] if compiled else ["--no-compile"]) + list(extra)
 
@@ -200,7 +192,7 @@ class Runner:
     def _run(self, tool: str, cmd: list[str], args) -> dict:
         t0 = time.perf_counter()
         try:
-            return run(cmd, tool, args, timeout=self.timeout())
+            return run_tool(cmd, tool, args, timeout=self.timeout())
         finally:
             self.durations.append(time.perf_counter() - t0)
 
@@ -235,7 +227,7 @@ class Runner:
     def mlx_lm(self, window: int, steps: int) -> dict:
         """One `mlx_lm lora` run with gradient checkpointing on the same rows."""
         args = self.args_for(window, steps)
-        cmd = command("mlx_lm", "lora", steps, args, self.model, self.data, self.work) + [
+        cmd = tool_command("mlx_lm", "lora", steps, args, self.model, self.data, self.work) + [
             "--learning-rate", LR, "--grad-checkpoint"]
         record = {"label": "mlx_lm", "tool": "mlx_lm", "window": window, "input_tokens": window - 1, "steps": steps,
                   "grad_checkpoint": True}

@@ -26,7 +26,6 @@ import dataclasses
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -41,27 +40,12 @@ from pose_mlx.model.source import build_model
 from pose_mlx.toy import model_config
 from pose_mlx.training.loop import TrainConfig, make_optimizer, make_update
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, synthetic_corpus, write_results  # noqa: E402
+from benchmarks.common import RESULTS_DIR, matmul_gflops, synthetic_corpus, write_results
 
 FORMULA = ("flops_per_step = 6 * P * T + 12 * layers * hidden * S * T; P = parameters (tied embeddings once), "
            "T = batch * (window - 1) target tokens per update, S = window - 1 (attention over the full S x S "
            "square, PaLM's convention); MFU = flops_per_step / step_s / peak, peak = 2 N^3 / t_matmul "
            "(N = matmul_size, mean of the peaks measured before and after the steps)")
-
-
-def matmul_gflops(n: int, reps: int) -> float:
-    """2 n^3 / t in GFLOP/s, t the median over `reps` fp32 n x n matmuls after two warm-up ones."""
-    a, b = mx.random.normal((n, n), key=mx.random.key(1)), mx.random.normal((n, n), key=mx.random.key(2))
-    mx.eval(a, b)
-    for _ in range(2):
-        mx.eval(a @ b)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        mx.eval(a @ b)
-        times.append(time.perf_counter() - t0)
-    return 2 * n**3 / statistics.median(times) / 1e9
 
 
 def build(args):

@@ -31,14 +31,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from common import RESULTS_DIR, write_results  # noqa: E402
-
-from pose_mlx import memory  # noqa: E402
-from pose_mlx import plan as planner  # noqa: E402
-from pose_mlx.passkey import MAX_NEW_TOKENS  # noqa: E402
+from benchmarks.common import RESULTS_DIR, ROOT, write_results
+from pose_mlx import memory
+from pose_mlx import plan as planner
+from pose_mlx.passkey import MAX_NEW_TOKENS
 
 DATA = "/usr/share/doc/python3.11/html/_sources"
 MODELS = {  # name -> make_model_folder arguments

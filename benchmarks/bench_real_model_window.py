@@ -3,7 +3,7 @@ YaRN LoRA as that benchmark trains it, a few updates at each --windows size side
 is shared and noisy: compare the ratio, not the seconds), seconds per update (the first, which compiles, left out)
 and peak memory; and what 200 updates would take at each, the benchmark's setting.
 
-    python benchmarks/bench_real_model_window.py [--windows 1024,2048] [--steps 4]
+    python -m benchmarks.bench_real_model_window [--windows 1024,2048] [--steps 4]
 
 Writes benchmarks/results/real_model/window_cost.json.
 """
@@ -16,9 +16,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_real_model import DOCS, OUT, corpus, finetune_command, model_file, run  # noqa: E402
-from common import write_results  # noqa: E402
+from benchmarks.common import DOCS, REAL_MODEL, corpus, finetune_command, model_file, run_logged, write_results
 
 
 def main(argv=None) -> int:
@@ -32,8 +30,9 @@ def main(argv=None) -> int:
     windows = {}
     for window in (int(w) for w in args.windows.split(",")):
         out = args.work / "window_cost" / str(window)
-        run([*finetune_command("yarn", gguf, train, args.work, out, window=window, steps=args.steps, lr=3e-5,
-                               rank=16), "--overwrite"], args.work / "logs" / f"window_cost.{window}.log")
+        cmd = finetune_command(gguf, train, args.work, out, schedule="yarn", window=window, steps=args.steps,
+                               lr=3e-5, rank=16)
+        run_logged([*cmd, "--overwrite"], args.work / "logs" / f"window_cost.{window}.log")
         log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines() if line.strip()]
         seconds = statistics.median(r["seconds"] for r in log[1:])
         windows[str(window)] = {"seconds_per_update": seconds, "all_seconds": [r["seconds"] for r in log],
@@ -44,7 +43,7 @@ def main(argv=None) -> int:
     for w in windows.values():
         w["time_vs_first"] = w["seconds_per_update"] / first
     path = write_results("real_model_window_cost", {"model": gguf.name, "schedule": "yarn", "windows": windows,
-                                                    "steps": args.steps}, OUT / "window_cost.json")
+                                                    "steps": args.steps}, REAL_MODEL / "window_cost.json")
     print(f"wrote {path}")
     return 0
 

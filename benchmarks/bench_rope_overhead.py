@@ -11,7 +11,6 @@ import json
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -25,6 +24,8 @@ from pose_mlx.backend import status as blas_status
 from pose_mlx.training.positions import pose_position_ids
 from pose_mlx.model.source import build_model
 from pose_mlx.toy import model_config
+
+from benchmarks.common import write_results
 
 
 def build(args):
@@ -102,7 +103,7 @@ def main():
     parser.add_argument("--layers", type=int, default=4, help="transformer layers")
     parser.add_argument("--heads", type=int, default=4, help="attention heads")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per model (after 3 warm-up steps)")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "rope_overhead.json"))
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/rope_overhead.json)")
     args = parser.parse_args()
 
     rng = np.random.default_rng(0)
@@ -130,9 +131,9 @@ def main():
     }
     result["overhead"] = result["patched_step_s"] / result["unpatched_step_s"] - 1
     result["rope_op_forward_backward"] = time_rope_op(args, rng)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    path = write_results("rope_overhead", result, args.out)
     print(json.dumps(result, indent=2))
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pose_mlx  # noqa: F401
 
-from common import write_results
+from benchmarks.common import write_results
 from pose_mlx import haystack, longctx, ruler, ruler_tasks, toy
 
 

@@ -47,197 +47,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from common import RESULTS_DIR, write_results  # noqa: E402
+from benchmarks.common import (RESULTS_DIR, check_lengths, child_env, make_inputs, own_seconds, periods, run_tool,
+                               tool_command, write_results)
 
 VARIANTS = ("full", "full-noclip", "lora")
-PROBE = "BLAS_PROBE "
-
-#: The child: the BLAS probe, then one tool's own command-line entry point.
-DRIVER = r"""
-import json, sys, time
-import pose_mlx
-import mlx.core as mx
-from pose_mlx.backend import status
-a, b = mx.random.normal((1024, 1024)), mx.random.normal((1024, 1024))
-mx.eval(a, b)
-for _ in range(2):
-    mx.eval(a @ b)
-times = []
-for _ in range(5):
-    t0 = time.perf_counter()
-    mx.eval(a @ b)
-    times.append(time.perf_counter() - t0)
-print("BLAS_PROBE " + json.dumps({"library": status.get("library"), "gflops": 2 * 1024**3 / sorted(times)[2] / 1e9}),
-      flush=True)
-del a, b  # the tool's peak memory holds only its own arrays
-tool, argv = sys.argv[1], sys.argv[2:]
-if tool == "pose_mlx":
-    from pose_mlx.finetune import main
-    sys.exit(main(argv))
-from mlx_lm import lora
-sys.argv = ["mlx_lm.lora", *argv]
-lora.main()
-"""
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-_MLX_LM_LINE = re.compile(r"^\s*(\d+)\s+[\d.]+\s*[\u25bc\u25b2]\s+([\d,]+)\s+[\d.]+k\s*$")
-_POSE_BAR = re.compile(r"(\d+)/\d+ \[")
 _TRAINABLE = re.compile(r"Trainable parameters:\s*[\d.]+%\s*\(([\d.]+)M/([\d.]+)M\)")
-
-
-def make_inputs(args, folder: Path) -> tuple[Path, Path]:
-    """The model folder and the mlx-lm data folder (documents of `--doc-chars` characters of standard-library
-    source, `--docs` for training and 8 held out)."""
-    from pose_mlx import toy
-
-    model, data = folder / "model", folder / "data"
-    if not (model / "config.json").is_file():
-        toy.make_model_folder(model, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
-                              max_position_embeddings=args.window, vocab_size=args.vocab, seed=0)
-    if not (data / "train.jsonl").is_file():
-        data.mkdir(parents=True, exist_ok=True)
-        texts = toy.stdlib_texts(min_chars=2 * args.doc_chars, max_chars=args.doc_chars * (args.docs + 8) * 2)
-        docs = [t[i:i + args.doc_chars] for t in texts for i in range(0, len(t) - args.doc_chars, args.doc_chars)]
-        docs = docs[:args.docs + 8]
-        if len(docs) < args.docs + 8:
-            raise SystemExit(f"only {len(docs)} documents of {args.doc_chars} characters in the standard library")
-        for name, part in (("train", docs[:args.docs]), ("valid", docs[args.docs:])):
-            (data / f"{name}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in part))
-    return model, data
-
-
-def check_lengths(args, model: Path, data: Path) -> int:
-    """The shortest document in tokens; every one must exceed the window (no padding, full rows in both)."""
-    from mlx_lm.utils import load_tokenizer
-
-    tokenizer = load_tokenizer(model)
-    shortest = min(len(tokenizer.encode(json.loads(line)["text"]))
-                   for line in (data / "train.jsonl").read_text().splitlines())
-    if shortest <= args.window:
-        raise SystemExit(f"a training document has only {shortest} tokens; raise --doc-chars above the window")
-    return shortest
-
-
-def command(tool: str, variant: str, steps: int, args, model: Path, data: Path, work: Path) -> list[str]:
-    if tool == "pose_mlx":
-        argv = ["--model", str(model), "--data", str(data), "--target", f"{args.factor}x", "--window",
-                str(args.window), "--batch-size", str(args.batch), "--steps", str(steps), "--lr", "1e-5",
-                "--save-every", "0", "--output", str(work / "pose_out"), "--cache-dir", str(work / "cache"),
-                "--overwrite"]
-        if variant.startswith("full"):
-            argv += ["--full"]
-        else:
-            argv += ["--lora-rank", str(args.lora_rank), "--lora-layers", "-1", "--lora-scale", "20"]
-        if variant == "full-noclip":
-            argv += ["--max-grad-norm", "1e30"]
-    else:
-        argv = ["--model", str(model), "--train", "--data", str(data), "--fine-tune-type",
-                "full" if variant.startswith("full") else "lora", "--num-layers", "-1", "--batch-size",
-                str(args.batch), "--max-seq-length", str(args.window), "--iters", str(steps), "--learning-rate",
-                "1e-5", "--steps-per-report", "1", "--steps-per-eval", "1000000", "--val-batches", "1",
-                "--save-every", "1000000", "--adapter-path", str(work / "mlx_lm_out")]
-        if variant == "lora":
-            config = work / "lora.yaml"
-            config.write_text(f"lora_parameters:\n  rank: {args.lora_rank}\n  scale: 20.0\n  dropout: 0.0\n")
-            argv += ["--config", str(config)]
-    return [sys.executable, "-c", DRIVER, tool, *argv]
-
-
-def _clocks(pid: int) -> tuple[float | None, int | None]:
-    """(user + system CPU seconds, voluntary context switches) of process `pid` so far, all its threads summed
-    (a voluntary switch is a thread going to sleep: waiting for another thread, a lock, input or output), or
-    (None, None) off Linux."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        switches = 0
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            for line in (task / "status").read_text().splitlines():
-                if line.startswith("voluntary_ctxt_switches"):
-                    switches += int(line.split()[1])
-    except (OSError, ValueError):
-        return None, None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), switches
-
-
-def run(cmd: list[str], tool: str, args, timeout: float | None = None) -> dict:
-    """Run one child; the wall and CPU clocks at each update's report, the BLAS probe and the child's output.
-    A child still running after `timeout` seconds is killed and TimeoutError raised."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(HERE.parent), os.environ.get("PYTHONPATH"))
-                                                      if p), PYTHONUNBUFFERED="1", NO_COLOR="1")
-    if args.threads:
-        env["OPENBLAS_NUM_THREADS"] = str(args.threads)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    marks, texts, lock = {}, {"stdout": [], "stderr": []}, threading.Lock()
-
-    def read(stream, name):
-        pending = b""
-        for chunk in iter(lambda: os.read(stream.fileno(), 65536), b""):
-            now, (cpu, switches) = time.perf_counter(), _clocks(proc.pid)
-            pending += chunk
-            *pieces, pending = re.split(rb"[\r\n]", pending)
-            for piece in pieces:
-                text = _ANSI.sub("", piece.decode("utf-8", "replace"))
-                texts[name].append(text)
-                found = (_POSE_BAR.search(text) if tool == "pose_mlx" and name == "stderr" else
-                         _MLX_LM_LINE.match(text) if tool == "mlx_lm" and name == "stdout" else None)
-                if found:
-                    with lock:
-                        marks.setdefault(int(found.group(1)), (now, cpu, switches))
-        texts[name].append(_ANSI.sub("", pending.decode("utf-8", "replace")))
-
-    readers = [threading.Thread(target=read, args=(proc.stdout, "stdout")),
-               threading.Thread(target=read, args=(proc.stderr, "stderr"))]
-    expired = threading.Event()
-    timer = threading.Timer(timeout, lambda: (expired.set(), proc.kill())) if timeout is not None else None
-    for thread in (*readers, *([timer] if timer else [])):
-        thread.start()
-    for reader in readers:
-        reader.join()
-    proc.wait()
-    if timer is not None:
-        timer.cancel()
-    stdout, stderr = "\n".join(texts["stdout"]), "\n".join(texts["stderr"])
-    if expired.is_set():
-        raise TimeoutError(f"{tool} was stopped after {timeout:.0f} s (last output: {stderr[-300:]!r})")
-    if proc.returncode != 0:
-        raise SystemExit(f"{tool} failed (exit {proc.returncode}):\n{stdout[-2000:]}\n{stderr[-3000:]}")
-    probe = next(json.loads(line[len(PROBE):]) for line in stdout.splitlines() if line.startswith(PROBE))
-    return {"marks": marks, "probe": probe, "stdout": stdout}
-
-
-def periods(marks: dict, steps: int) -> dict:
-    """Wall seconds, CPU seconds and voluntary context switches per update between consecutive reports among
-    updates 1 .. steps-1 (a progress bar skips the report of an update shorter than its refresh interval: a span
-    over k updates counts as k updates of its mean); CPU and switches are None off Linux."""
-    seen = sorted(n for n in marks if 1 <= n < steps)
-    if len(seen) < 2:
-        raise SystemExit(f"reports seen only for updates {seen} of 1 .. {steps - 1}")
-    out = {}
-    for i, key in enumerate(("wall", "cpu", "switches")):
-        if marks[seen[0]][i] is None:
-            out[key] = None
-            continue
-        out[key] = []
-        for a, b in zip(seen, seen[1:]):
-            out[key] += [(marks[b][i] - marks[a][i]) / (b - a)] * (b - a)
-    return out
-
-
-def own_seconds(tool: str, result: dict, args, work: Path) -> list[float]:
-    """Each tool's own seconds of updates 2 .. steps-1: pose_mlx's log.jsonl, mlx-lm's tok/s column."""
-    if tool == "pose_mlx":
-        log = work / "pose_out" / "train_log.jsonl"
-        return [r["seconds"] for r in map(json.loads, log.read_text().splitlines()) if 1 < r["step"] < args.steps]
-    tokens = args.batch * (args.window - 1)
-    rates = [float(m.group(2).replace(",", "")) for m in map(_MLX_LM_LINE.match, result["stdout"].splitlines())
-             if m and 1 < int(m.group(1)) < args.steps]
-    return [tokens / r for r in rates if r > 0]
 
 # ------------------------------------------------------------------------------------------ the profile
 
@@ -258,7 +75,7 @@ def profile_worker(args) -> None:
     from pose_mlx.model.source import load
     from pose_mlx.training.data import ExampleStream
     from pose_mlx.training.loop import TrainConfig, make_optimizer, make_update, masked_loss
-    from common import synthetic_corpus
+    from benchmarks.common import synthetic_corpus
 
     config = TrainConfig(steps=1000, lr=1e-5, warmup=1, progress=False)
     vocab = json.loads((Path(args.profile_worker) / "config.json").read_text())["vocab_size"]
@@ -367,11 +184,8 @@ def profile_worker(args) -> None:
 def profile(args, model: Path) -> dict:
     """Run `profile_worker` in a child (with the benchmark's BLAS threads); its parts and the differences that
     answer where time goes."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(HERE.parent), str(HERE),
-                                                                  os.environ.get("PYTHONPATH")) if p))
-    if args.threads:
-        env["OPENBLAS_NUM_THREADS"] = str(args.threads)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--profile-worker", str(model),
+    env = child_env(**({"OPENBLAS_NUM_THREADS": str(args.threads)} if args.threads else {}))
+    cmd = [sys.executable, "-m", "benchmarks.bench_vs_mlx_lm", "--profile-worker", str(model),
            *[f"--{k}={getattr(args, k)}" for k in ("window", "batch", "factor", "profile_reps")]]
     proc = subprocess.run([c.replace("profile_reps", "profile-reps") for c in cmd], env=env, capture_output=True,
                           text=True)
@@ -458,12 +272,12 @@ def compare(args, variants: list[str], work: Path) -> dict:
     probes, trainable, out = [], {}, {}
     for variant in variants:
         for tool in tools:  # untimed: fills the token cache and the page cache
-            run(command(tool, variant, 3, args, model, data, work), tool, args)
+            run_tool(tool_command(tool, variant, 3, args, model, data, work), tool, args)
         rounds = []
         for r in range(args.repeats):
             row = {}
             for tool in tools if r % 2 == 0 else tools[::-1]:
-                result = run(command(tool, variant, args.steps, args, model, data, work), tool, args)
+                result = run_tool(tool_command(tool, variant, args.steps, args, model, data, work), tool, args)
                 probes.append({"tool": tool, "variant": variant, **result["probe"]})
                 clocks = periods(result["marks"], args.steps)
                 row[tool] = {"s_per_update": statistics.median(clocks["wall"]),

@@ -6,11 +6,12 @@ question is asked alone in the model's chat template; an answer is correct when 
 reference strings (case-insensitive). The questions are written for this benchmark, with short unambiguous
 answers a 135M instruct model knows at least in part.
 
-  python benchmarks/short_qa.py                      # every run of bench_real_model.py (PoSE runs once trained)
-  python benchmarks/short_qa.py --only none --only yarn
+  python -m benchmarks.short_qa                      # every run of bench_real_model (PoSE runs once trained)
+  python -m benchmarks.short_qa --only none --only yarn
 
-Writes benchmarks/results/real_model/eval/<run>.short_qa.json (--results: another folder of bench_real_model.py) ({"accuracy", "correct", "questions", "answers"});
-bench_real_model.py's report collects them.
+Writes benchmarks/results/real_model/eval/<run>.short_qa.json (under --results: another folder of
+bench_real_model): "accuracy", "correct", "questions", "answers" and `common.write_results`' record of the date,
+versions and machine; bench_real_model's report collects them.
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_real_model as bench  # noqa: E402
+from benchmarks.common import POSE, REAL_MODEL, TARGET, TRAINING_FREE, model_file, write_results
 
 QUESTIONS = [
     ("What is the capital of France?", ["Paris"]),
@@ -91,37 +91,36 @@ def evaluate(name: str, gguf: Path, work: Path, max_tokens: int, results: Path) 
     path = results / "eval" / f"{name}.short_qa.json"
     if path.is_file():
         return path
-    if name in bench.POSE:
+    if name in POSE:
         info = load_eval_model(str(work / "runs" / name))
     elif name == "none":
         info = load_eval_model(str(gguf))
     else:
-        info = load_eval_model(str(gguf), name, str(bench.TARGET))
+        info = load_eval_model(str(gguf), name, str(TARGET))
     t0 = time.perf_counter()
     answers = [ask(info.model, info.tokenizer, q, max_tokens) for q, _ in QUESTIONS]
     hits = [correct(a, refs) for a, (_, refs) in zip(answers, QUESTIONS)]
-    path.write_text(json.dumps({"run": name, "schedule": info.schedule, "accuracy": sum(hits) / len(hits),
-                                "correct": sum(hits), "questions": len(hits), "max_tokens": max_tokens,
-                                "seconds": time.perf_counter() - t0,
-                                "answers": [{"question": q, "references": refs, "answer": a, "correct": h}
-                                            for (q, refs), a, h in zip(QUESTIONS, answers, hits)]}, indent=1) + "\n")
-    return path
+    return write_results("short_qa", {"run": name, "schedule": info.schedule, "accuracy": sum(hits) / len(hits),
+                                      "correct": sum(hits), "questions": len(hits), "max_tokens": max_tokens,
+                                      "seconds": time.perf_counter() - t0,
+                                      "answers": [{"question": q, "references": refs, "answer": a, "correct": h}
+                                                  for (q, refs), a, h in zip(QUESTIONS, answers, hits)]}, path)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--work", type=Path, default=Path("out/real_model"), help="bench_real_model.py's --work")
-    p.add_argument("--results", type=Path, default=bench.OUT, help="bench_real_model.py's --results")
+    p.add_argument("--work", type=Path, default=Path("out/real_model"), help="bench_real_model's --work")
+    p.add_argument("--results", type=Path, default=REAL_MODEL, help="bench_real_model's --results")
     p.add_argument("--only", action="append", default=None, help="only these runs (repeatable)")
     p.add_argument("--max-tokens", type=int, default=24, help="answer budget in tokens (default 24)")
     args = p.parse_args()
     import pose_mlx  # noqa: F401  (the fast BLAS first)
 
-    gguf = bench.model_file()
-    for name in (*bench.TRAINING_FREE, *bench.POSE):
+    gguf = model_file()
+    for name in (*TRAINING_FREE, *POSE):
         if args.only and name not in args.only:
             continue
-        if name in bench.POSE and not (args.work / "runs" / name).is_dir():
+        if name in POSE and not (args.work / "runs" / name).is_dir():
             print(f"{name}: not trained yet, skipped", flush=True)
             continue
         record = json.loads(evaluate(name, gguf, args.work, args.max_tokens, args.results).read_text())

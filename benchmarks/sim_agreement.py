@@ -1,12 +1,12 @@
 """Bring the simulator's agreement with the real model up to date from the committed numbers.
 
-`python benchmarks/sim_agreement.py` recomputes `sim_agreement` (`pose_mlx.sim.agreement`: Kendall's tau-b between
+`python -m benchmarks.sim_agreement` recomputes `sim_agreement` (`pose_mlx.sim.agreement`: Kendall's tau-b between
 the simulator's and the real model's rankings of the methods on perplexity and passkey at each one's target) from
 benchmarks/results/sim/results.json and benchmarks/results/real_model/results.json (its `runs` and
 `protocol_runs`), and writes it into both files and into the simulator's report.md (its "Agreement with the real
-model" section), leaving everything else as it was. bench_evidence.py runs it after each write of the real
-model's results, so new real-model runs are picked up; `python -m pose_mlx.sim` computes the same when it
-assembles its report.
+model" section), leaving everything else as it was (it updates those records, so it does not write through
+`common.write_results`). bench_evidence runs it after each write of the real model's results, so new real-model
+runs are picked up; `python -m pose_mlx.sim` computes the same when it assembles its report.
 """
 
 from __future__ import annotations
@@ -16,13 +16,12 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from pose_mlx.sim.agreement import agreement  # noqa: E402
-from pose_mlx.sim.report import AGREEMENT_HEADING, agreement_section  # noqa: E402
+from benchmarks.common import REAL_MODEL, RESULTS_DIR
+from pose_mlx.sim.agreement import agreement
+from pose_mlx.sim.report import AGREEMENT_HEADING, agreement_section
 
-SIM = ROOT / "benchmarks" / "results" / "sim"
-REAL = ROOT / "benchmarks" / "results" / "real_model" / "results.json"
+SIM = RESULTS_DIR / "sim"
+REAL = REAL_MODEL / "results.json"
 
 
 def _with_key(results: dict, value: dict, after: str | None) -> dict:

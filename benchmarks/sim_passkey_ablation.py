@@ -6,7 +6,7 @@ Lt = 2 Lc with the same data, updates and tokens per update, once without positi
 if the first keeps the passkey at Lc and the second loses it, the fine-tuning recipe does not erase retrieval,
 the interpolated positions do.
 
-    python benchmarks/sim_passkey_ablation.py [--sim out/sim] [--only NAME ...]
+    python -m benchmarks.sim_passkey_ablation [--sim out/sim] [--only NAME ...]
 
 Every PoSE variant is `pose_mlx.finetune --full --sampler pose` as in the grid (32 x 128 tokens per update,
 warm-up a tenth of the updates); the controls use 16 x 256 tokens. Each is followed by `pose_mlx.passkey`; both are
@@ -21,8 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, sim_pretrained, write_results  # noqa: E402
+from benchmarks.common import RESULTS_DIR, sim_pretrained, write_results
 
 #: name: (schedule, retrieval share of the fine-tuning documents, updates, peak lr, sampler, target / Lc), each one
 #: change from the grid's PoSE runs (pose-linear, pose-yarn: 0.1, 150, 2e-4), whose passkey is read from <sim>/eval.
@@ -39,7 +38,7 @@ VARIANTS = {
 def main(argv=None) -> int:
     from pose_mlx.sim import finetune_data  # pose_mlx first: it loads the optimized BLAS before MLX starts
     from mlx_lm.utils import load_tokenizer
-    from pose_mlx.sim.config import SimConfig  # noqa: E402
+    from pose_mlx.sim.config import SimConfig
     from pose_mlx.sim.grid import Run, evaluate_passkey, finetune_args, run_finetune
     from pose_mlx.training.data import required_length
 

@@ -11,7 +11,7 @@ on the first Lt tokens of the same test documents: where the last Lc / 2 queries
 distances >= Lc, unseen in PoSE's training windows too, and the largest logit there minus the largest at seen
 distances). The base is scored the same way for reference.
 
-    python benchmarks/sim_pose_gap.py [--sim out/sim] [--output benchmarks/results/sim_pose_gap.json]
+    python -m benchmarks.sim_pose_gap [--sim out/sim] [--output benchmarks/results/sim_pose_gap.json]
 
 Runs and evaluations are cached under <sim>/ablation/; writes benchmarks/results/sim_pose_gap.json.
 """
@@ -24,8 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import sim_pretrained, write_results  # noqa: E402
+from benchmarks.common import sim_pretrained, write_results
 
 #: name: (sampler, sequences per update)
 VARIANTS = {"full": ("full", 4), "pose-equal-tokens": ("pose", 32), "pose-equal-sequences": ("pose", 4)}

@@ -1,7 +1,6 @@
-"""benchmarks/bench_gpu.py: its dry run end to end (every stage on a tiny llama, as a subprocess) writes the JSON the
+"""benchmarks.bench_gpu: its dry run end to end (every stage on a tiny llama, as a subprocess) writes the JSON the
 GPU run writes, with sane numbers; its pytest-output and --help parsers against hand-written outputs."""
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -10,21 +9,16 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import bench_gpu, common
+
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "bench_gpu.py"
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_gpu", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+SCRIPT = [sys.executable, "-m", "benchmarks.bench_gpu"]
 
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_gpu") / "gpu.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--output", str(out)], cwd=ROOT,
+    proc = subprocess.run([*SCRIPT, "--dry-run", "--output", str(out)], cwd=ROOT,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stdout
@@ -92,14 +86,14 @@ def test_dry_run_writes_the_schema_with_sane_numbers(dry_run):
 def test_dry_run_refuses_the_committed_path():
     committed = ROOT / "benchmarks" / "results" / "gpu" / "gpu.json"
     before = committed.read_bytes() if committed.exists() else None
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--output", str(committed)], cwd=ROOT,
+    proc = subprocess.run([*SCRIPT, "--dry-run", "--output", str(committed)], cwd=ROOT,
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "does not write" in proc.stderr
     assert (committed.read_bytes() if committed.exists() else None) == before
 
 
 def test_pytest_summary_and_progress_are_counted():
-    parse = _bench().parse_pytest
+    parse = bench_gpu.parse_pytest
     out = parse("....s.F\n[gw0] ...\nFAILED tests/test_x.py::test_y - assert 1 == 2\n"
                 "1 failed, 5 passed, 1 skipped, 2 warnings in 3.21s\n")
     assert (out["passed"], out["failed"], out["skipped"], out["errors"]) == (5, 1, 1, 0)
@@ -112,15 +106,16 @@ def test_pytest_summary_and_progress_are_counted():
 
 
 def test_alignment_flag_is_found_in_help_text():
-    off = _bench().align_off
+    off = bench_gpu.align_off
     assert off("--content CONTENT  PoSE content offsets: uniform, zero, aligned (v_i = u_i)") is None
     assert off("  --align-rows, --no-align-rows\n      pad rows to a multiple of 128") == ["--no-align-rows"]
     assert off("  --row-align ROW_ALIGN  multiple of 128 on CUDA") == ["--row-align", "off"]
 
 
 def test_a_run_past_its_timeout_is_stopped():
-    """bench_vs_mlx_lm.run, which bench_gpu runs every training child with."""
+    """common.run_tool, which bench_gpu and bench_vs_mlx_lm run every training child with."""
     from types import SimpleNamespace
 
     with pytest.raises(TimeoutError, match="stopped after 1 s"):
-        _bench().run([sys.executable, "-c", "import time; time.sleep(60)"], "pose_mlx", SimpleNamespace(threads=0), timeout=1)
+        common.run_tool([sys.executable, "-c", "import time; time.sleep(60)"], "pose_mlx", SimpleNamespace(threads=0),
+                        timeout=1)

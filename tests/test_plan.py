@@ -176,8 +176,7 @@ def test_alias_plans_offline(tmp_path, env):
 def test_every_alias_ships_its_config():
     """Each alias's shipped config.json: the family of its hub id, a window equal to the alias's, the shapes that
     the benchmark's Llama-2 table used, and a plan at 2x its window."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_plan import LLAMA2
+    from benchmarks.bench_plan import LLAMA2
     from pose_mlx.model import source
 
     families = {"llama": "llama", "mistral": "mistral", "qwen2.5": "qwen2", "tinyllama": "llama"}

@@ -136,16 +136,11 @@ def test_heatmap_without_empty_cells_has_no_key(tmp_path, saved):
 
 
 def _benchmark(name):
-    import importlib.util
-    import sys
-    from pathlib import Path
+    import importlib
 
-    folder = Path(__file__).resolve().parents[1] / "benchmarks"
-    sys.path.insert(0, str(folder))
-    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module, folder / "results"
+    from benchmarks.common import RESULTS_DIR
+
+    return importlib.import_module(f"benchmarks.{name}"), RESULTS_DIR
 
 
 def test_finetune_cost_legend_is_below_both_panels(tmp_path, saved):

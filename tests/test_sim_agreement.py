@@ -133,7 +133,7 @@ def test_every_mapped_name_is_a_grid_run_or_the_real_models():
 @pytest.mark.parametrize("path", [SIM_JSON, REAL_JSON], ids=["sim", "real_model"])
 def test_committed_agreement_is_the_function_of_the_committed_numbers(path):
     """Both results.json files record the agreement of the committed numbers; after new real-model runs,
-    `python benchmarks/sim_agreement.py` brings them (and the report) up to date."""
+    `python -m benchmarks.sim_agreement` brings them (and the report) up to date."""
     recorded = json.loads(path.read_text())["sim_agreement"]
     assert recorded == agreement(json.loads(SIM_JSON.read_text()), json.loads(REAL_JSON.read_text()))
     assert set(recorded["methods"]) >= {"none", "linear", "ntk", "yarn", "pose-linear", "pose-yarn"}

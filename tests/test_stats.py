@@ -3,16 +3,12 @@ schema and stated power."""
 
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
+from benchmarks.protocol import PROTOCOLS, checked_power, difference_tests, discordant, load_protocol, select_recipe
 from pose_mlx.analysis.stats import difference_interval, kendall_tau, power, verdict, wilson
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from protocol import PROTOCOLS, checked_power, difference_tests, discordant, load_protocol, select_recipe  # noqa: E402
 
 # Newcombe (1998), Table II, method 10 (hybrid score), to the four decimals printed there.
 NEWCOMBE = [((56, 70, 48, 80), (0.0524, 0.3339)), ((9, 10, 3, 10), (0.1705, 0.8090)),
