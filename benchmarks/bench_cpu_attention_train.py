@@ -55,7 +55,7 @@ def make_variant(args, corpus, config: TrainConfig, fast: bool):
         t0 = time.perf_counter()
         with fast_attention(model, enabled=fast) as routed:
             assert bool(routed) == fast
-            loss, norm, _tokens = update(batches)
+            loss, norm, _tokens, _stop = update(batches)
         return time.perf_counter() - t0, loss, norm, mx.get_peak_memory() / 2**30
 
     trainable = sum(p.size for _, p in tree_flatten(model.trainable_parameters()))

@@ -53,7 +53,8 @@ def build(args):
     config = model_config(args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
                           max_position_embeddings=args.window)
     model = build_model(config, seed=0)
-    return extend(model, "linear", args.window, args.window * args.factor)
+    extend(model, "linear", args.window, args.window * args.factor)  # returns the Extension record, not the model
+    return model
 
 
 def make_variant(args, corpus, config: TrainConfig):
