@@ -407,7 +407,7 @@ def main(argv=None) -> int:
     s, ref, config, settings = planned_run(argv)
     arch = memory.loaded_architecture(config, ref, settings.backend)
     available, where = memory.limit(s)
-    plan = memory.make_plan(arch, settings, available)
+    plan = memory.plan_memory(arch, settings, available)
     if "--json" in argv:
         record = {**plan.as_dict(), "available_source": where, "model": s.model, "backend": settings.backend,
                   "row_tokens": settings.row_tokens, "attention": plan.estimate.details["attention"],
