@@ -228,18 +228,12 @@ def _dtype(config: dict) -> tuple[str, str | None]:
     return name, None
 
 
-def _positive_int(config: dict, key: str) -> int:
-    value = config.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise UserError(f"config.json: {key} must be a positive integer, got {value!r}")
-    return value
-
-
 def architecture(config: dict) -> Architecture:
     """The memory-relevant shapes of a model config (HF config.json keys, mlx-lm's `quantization`).
 
-    Raises UserError naming the missing or malformed keys. A model_type this module does not know is
-    estimated as a llama-style block, with a warning in `Architecture.warnings`.
+    `config` as `pose_mlx.model.source.read_config` gives it: the type of every size was checked there
+    (`check_config`). Raises UserError naming the missing keys and the shapes that do not fit together. A model_type
+    this module does not know is estimated as a llama-style block, with a warning in `Architecture.warnings`.
     """
     if not isinstance(config, dict):
         raise UserError("config.json must hold a JSON object")
@@ -249,8 +243,8 @@ def architecture(config: dict) -> Architecture:
     missing = [k for k in REQUIRED_KEYS if k not in config]
     if missing:
         raise UserError(f"config.json lacks {', '.join(missing)} (needed to estimate memory)")
-    hidden, layers, inter, heads, vocab = (_positive_int(config, k) for k in REQUIRED_KEYS)
-    kv_heads = _positive_int(config, "num_key_value_heads") if config.get("num_key_value_heads") is not None else heads
+    hidden, layers, inter, heads, vocab = (config[k] for k in REQUIRED_KEYS)
+    kv_heads = config.get("num_key_value_heads") or heads
     if heads % kv_heads:
         raise UserError(f"config.json: num_key_value_heads {kv_heads} does not divide num_attention_heads {heads}")
     model_type = str(config.get("model_type") or "unknown")
@@ -264,7 +258,7 @@ def architecture(config: dict) -> Architecture:
         spec = replace(spec, qkv_bias=bool(config.get("attention_bias", False)),
                        o_bias=bool(config.get("attention_bias", False)), mlp_bias=bool(config.get("mlp_bias", False)))
     if spec.head_dim_from_config and config.get("head_dim"):
-        head_dim = _positive_int(config, "head_dim")
+        head_dim = config["head_dim"]
     else:
         if hidden % heads:
             raise UserError(f"config.json: hidden_size {hidden} is not a multiple of num_attention_heads {heads}; "
@@ -356,14 +350,10 @@ class TrainSettings:
     row_multiple: int = 1  # rows padded to a multiple of this (finetune's --align-rows; 128 when on)
     cudnn: bool = True  # with CUDA: the GPU runs cuDNN's attention (compute capability 8 or newer, `cudnn_capable`)
 
-    def __post_init__(self):
-        for name in ("window", "batch_size", "lora_rank", "grad_accum"):
-            if getattr(self, name) < 1:
-                raise UserError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.sampler == "full" and not self.target:
-            raise UserError("full-length sampling (--sampler full) needs the target length")
-        if self.backend not in BACKENDS:
-            raise UserError(f"backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
+    def __post_init__(self):  # the contract: built from validated settings (`run_settings`), or by tests
+        assert min(self.window, self.batch_size, self.lora_rank, self.grad_accum) >= 1, self
+        assert self.sampler != "full" or self.target, "full-length sampling needs the target length"
+        assert self.backend in BACKENDS, self.backend
 
     @property
     def row_tokens(self) -> int:
@@ -435,9 +425,7 @@ def _lora_shapes(arch: Architecture, settings: TrainSettings) -> tuple[int, list
                             f"({', '.join(lin.key for lin in linears)})")
         linears = [lin for lin in linears if lin.key in settings.lora_keys]
     blocks = arch.layers if settings.lora_layers < 0 else settings.lora_layers
-    if not 1 <= blocks <= arch.layers:
-        raise UserError(f"--lora-layers {settings.lora_layers} must be between 1 and the model's {arch.layers} "
-                        "blocks (or -1 for all)")
+    assert 1 <= blocks <= arch.layers, "--lora-layers is checked against the model by pose_mlx.plan"
     return blocks, linears
 
 

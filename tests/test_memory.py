@@ -95,8 +95,11 @@ def test_missing_fields_are_named():
     config = {k: v for k, v in BASE.items() if k not in ("vocab_size", "intermediate_size")}
     with pytest.raises(UserError, match="intermediate_size, vocab_size"):
         memory.architecture({**config, "model_type": "llama"})
-    with pytest.raises(UserError, match="num_attention_heads must be a positive integer"):
-        memory.architecture({**BASE, "model_type": "llama", "num_attention_heads": "four"})
+    # the sizes' types are checked once, where every command reads a config
+    from pose_mlx.model.source import check_config
+
+    with pytest.raises(UserError, match="num_attention_heads must be a positive whole number"):
+        check_config({**BASE, "model_type": "llama", "num_attention_heads": "four"}, "m")
 
 
 def test_breakdown_by_hand():
@@ -237,9 +240,7 @@ def test_pose_memory_follows_the_window_not_the_target():
 def test_fewer_lora_blocks_keep_fewer_activations():
     config = _llama(layers=8)
     peaks = [memory.training_memory(config, memory.TrainSettings(window=1024, lora_layers=n)).peak for n in (2, 4, 8)]
-    assert peaks == sorted(peaks) and len(set(peaks)) == 3
-    with pytest.raises(UserError, match="between 1 and"):
-        memory.training_memory(config, memory.TrainSettings(window=1024, lora_layers=9))
+    assert peaks == sorted(peaks) and len(set(peaks)) == 3  # (more blocks than the model has: test_finetune_errors)
 
 
 @pytest.mark.parametrize("text, expected", [("64GB", 64 * 2**30), ("64G", 64 * 2**30), ("16GiB", 16 * 2**30),
