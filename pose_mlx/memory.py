@@ -484,8 +484,8 @@ def _activation(arch: Architecture, settings: TrainSettings) -> _Activation:
     c, batch, length = arch.dtype_bytes, settings.batch_size, settings.row_tokens
     tokens = batch * length
     return _Activation(tokens, tokens * arch.hidden * c, tokens * arch.q_dims * c, tokens * arch.kv_dims * c,
-                       tokens * arch.intermediate * c, tokens * arch.vocab * 4, batch * arch.heads * length * length * c,
-                       batch * arch.heads * length * 4)
+                       tokens * arch.intermediate * c, tokens * arch.vocab * 4,
+                       batch * arch.heads * length * length * c, batch * arch.heads * length * 4)
 
 
 @dataclass(frozen=True)

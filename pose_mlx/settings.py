@@ -86,15 +86,6 @@ def setting(default, help: str | None = None, *, flags: tuple = (), rule: Rule |
     return field(**factory, metadata=meta)
 
 
-_SAMPLER_HELP = (
-    "how position ids are drawn: pose (the paper), pose-ref (the authors' code), pose-middle (CREAM-style: head at "
-    "0, tail at the end of the target window, middle placed by a truncated Gaussian around the middle; trains both "
-    "ends and the middle distances more, the other distances less than pose), randpos, full (full-length "
-    "fine-tuning at the target), plain (ordinary fine-tuning: positions 0..window-1 with the original RoPE, the "
-    "--schedule applied only at export; the control that gets PoSE's adaptation without its positions), none "
-    "(schedule only: extend and export, no training)")
-
-
 @dataclass
 class RunSettings:
     """Every setting of a fine-tuning run; the field names are the flags' names (see `setting`)."""
@@ -119,7 +110,14 @@ class RunSettings:
                       "in-window retrieval where full YaRN lost it; may cost perplexity on long inputs)",
                       argparse={"action": "append", "metavar": "KEY=VALUE"}),),
         deprecated=("--scaling-param", "scaling_params"))
-    sampler: str = setting("pose", _SAMPLER_HELP, rule=one_of(RUN_SAMPLERS), deprecated=("--method",))
+    sampler: str = setting(
+        "pose", "how position ids are drawn: pose (the paper), pose-ref (the authors' code), pose-middle (CREAM-style: "
+                "head at 0, tail at the end of the target window, middle placed by a truncated Gaussian around the "
+                "middle; trains both ends and the middle distances more, the other distances less than pose), "
+                "randpos, full (full-length fine-tuning at the target), plain (ordinary fine-tuning: positions "
+                "0..window-1 with the original RoPE, the --schedule applied only at export; the control that gets "
+                "PoSE's adaptation without its positions), none (schedule only: extend and export, no training)",
+        rule=one_of(RUN_SAMPLERS), deprecated=("--method",))
     chunks: int = setting(2, "number of PoSE chunks N (default 2)", rule=between(1, 1 << 24))
     content: str = setting("uniform", "PoSE content offsets v_i: uniform (paper), zero (v_i = 0), aligned (v_i = u_i)",
                            rule=one_of(CONTENT))
