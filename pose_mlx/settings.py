@@ -24,7 +24,7 @@ import json
 import math
 import re
 import sys
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import Field, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable
 
@@ -312,10 +312,10 @@ def parse_param(text: str) -> tuple[str, object]:
 
 @dataclass(frozen=True)
 class _Name:
-    """What a YAML (or run.json) key names: the setting, whether the value is negated (`no_fuse: true` sets
-    fuse false), and for a deprecated key the name that replaces it."""
+    """What a YAML (or run.json) key names: the setting (a field of `RunSettings`), whether the value is negated
+    (`no_fuse: true` sets fuse false), and for a deprecated key the name that replaces it."""
 
-    setting: str
+    setting: Field
     negated: bool = False
     replaced_by: str | None = None
 
@@ -325,13 +325,13 @@ def _names() -> dict:
     aliases (mlx-lm's names) and its deprecated names."""
     names = {}
     for f in fields(RunSettings):
-        names[f.name] = _Name(f.name)
+        names[f.name] = _Name(f)
         for flag in flags_of(f):
-            names[_key(flag.option)] = _Name(f.name, negated=flag.sets is False)
-        names.update((alias, _Name(f.name)) for alias in f.metadata["aliases"])
+            names[_key(flag.option)] = _Name(f, negated=flag.sets is False)
+        names.update((alias, _Name(f)) for alias in f.metadata["aliases"])
         for old in f.metadata["deprecated"]:
             new = _key(flags_of(f)[0].option) if old.startswith("--") else f.name
-            names[_key(old)] = _Name(f.name, replaced_by=new)
+            names[_key(old)] = _Name(f, replaced_by=new)
     return names
 
 
@@ -410,7 +410,7 @@ def _yaml_entry(path, key: str, value, names: dict) -> dict:
         close = difflib.get_close_matches(name, sorted(set(names) | set(_STRUCTURED_KEYS)), n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
         raise UserError(f"--config {path}: unknown key {key!r}{hint}")
-    f = next(f for f in fields(RunSettings) if f.name == known.setting)
+    f = known.setting
     if known.negated:
         return {f.name: not _check_type(path, key, value, bool)}
     if f.name == "align_rows" and isinstance(value, bool):  # YAML 1.1 reads on/off as booleans
@@ -518,9 +518,9 @@ def load_run_file(path: Path) -> RunSettings:
         if key not in names:
             continue
         name = names[key]
-        if name.setting == "schedule_params" and isinstance(value, list):
+        if name.setting.name == "schedule_params" and isinstance(value, list):
             value = dict(parse_param(item) for item in value)
-        out[name.setting] = not value if name.negated else value
+        out[name.setting.name] = not value if name.negated else value
     try:
         return RunSettings(**out)
     except TypeError as error:
