@@ -43,7 +43,7 @@ says which numbers are measured and which modelled). Rows are those really train
 `row_multiple` (finetune's --align-rows). The weights are counted in the dtype they have once loaded
 (`loaded_architecture`: a GGUF file is dequantized to float32 on the CPU, kept quantized on a GPU).
 
-`eval_memory` predicts chunked-prefill evaluation (`pose_mlx.perplexity`, `pose_mlx.passkey`); `make_plan` and
+`eval_memory` predicts chunked-prefill evaluation (`pose_mlx.perplexity`, `pose_mlx.passkey`); `plan_memory` and
 `check_fits` compare a prediction with the memory available (`available_memory`, `parse_size`).
 """
 
@@ -228,18 +228,12 @@ def _dtype(config: dict) -> tuple[str, str | None]:
     return name, None
 
 
-def _positive_int(config: dict, key: str) -> int:
-    value = config.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise UserError(f"config.json: {key} must be a positive integer, got {value!r}")
-    return value
-
-
 def architecture(config: dict) -> Architecture:
     """The memory-relevant shapes of a model config (HF config.json keys, mlx-lm's `quantization`).
 
-    Raises UserError naming the missing or malformed keys. A model_type this module does not know is
-    estimated as a llama-style block, with a warning in `Architecture.warnings`.
+    `config` as `pose_mlx.model.source.read_config` gives it: the type of every size was checked there
+    (`check_config`). Raises UserError naming the missing keys and the shapes that do not fit together. A model_type
+    this module does not know is estimated as a llama-style block, with a warning in `Architecture.warnings`.
     """
     if not isinstance(config, dict):
         raise UserError("config.json must hold a JSON object")
@@ -249,8 +243,8 @@ def architecture(config: dict) -> Architecture:
     missing = [k for k in REQUIRED_KEYS if k not in config]
     if missing:
         raise UserError(f"config.json lacks {', '.join(missing)} (needed to estimate memory)")
-    hidden, layers, inter, heads, vocab = (_positive_int(config, k) for k in REQUIRED_KEYS)
-    kv_heads = _positive_int(config, "num_key_value_heads") if config.get("num_key_value_heads") is not None else heads
+    hidden, layers, inter, heads, vocab = (config[k] for k in REQUIRED_KEYS)
+    kv_heads = config.get("num_key_value_heads") or heads
     if heads % kv_heads:
         raise UserError(f"config.json: num_key_value_heads {kv_heads} does not divide num_attention_heads {heads}")
     model_type = str(config.get("model_type") or "unknown")
@@ -264,7 +258,7 @@ def architecture(config: dict) -> Architecture:
         spec = replace(spec, qkv_bias=bool(config.get("attention_bias", False)),
                        o_bias=bool(config.get("attention_bias", False)), mlp_bias=bool(config.get("mlp_bias", False)))
     if spec.head_dim_from_config and config.get("head_dim"):
-        head_dim = _positive_int(config, "head_dim")
+        head_dim = config["head_dim"]
     else:
         if hidden % heads:
             raise UserError(f"config.json: hidden_size {hidden} is not a multiple of num_attention_heads {heads}; "
@@ -356,14 +350,10 @@ class TrainSettings:
     row_multiple: int = 1  # rows padded to a multiple of this (finetune's --align-rows; 128 when on)
     cudnn: bool = True  # with CUDA: the GPU runs cuDNN's attention (compute capability 8 or newer, `cudnn_capable`)
 
-    def __post_init__(self):
-        for name in ("window", "batch_size", "lora_rank", "grad_accum"):
-            if getattr(self, name) < 1:
-                raise UserError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.sampler == "full" and not self.target:
-            raise UserError("full-length sampling (--sampler full) needs the target length")
-        if self.backend not in BACKENDS:
-            raise UserError(f"backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
+    def __post_init__(self):  # the contract: built from validated settings (`run_settings`), or by tests
+        assert min(self.window, self.batch_size, self.lora_rank, self.grad_accum) >= 1, self
+        assert self.sampler != "full" or self.target, "full-length sampling needs the target length"
+        assert self.backend in BACKENDS, self.backend
 
     @property
     def row_tokens(self) -> int:
@@ -435,9 +425,7 @@ def _lora_shapes(arch: Architecture, settings: TrainSettings) -> tuple[int, list
                             f"({', '.join(lin.key for lin in linears)})")
         linears = [lin for lin in linears if lin.key in settings.lora_keys]
     blocks = arch.layers if settings.lora_layers < 0 else settings.lora_layers
-    if not 1 <= blocks <= arch.layers:
-        raise UserError(f"--lora-layers {settings.lora_layers} must be between 1 and the model's {arch.layers} "
-                        "blocks (or -1 for all)")
+    assert 1 <= blocks <= arch.layers, "--lora-layers is checked against the model by pose_mlx.plan"
     return blocks, linears
 
 
@@ -477,6 +465,152 @@ GPU_FACTORS = {(True, True): 2.15, (True, False): 1.08, (False, True): 1.08, (Fa
 TRANSIENT = ("activations", "logits", "backward_temporaries", "update_temporaries")
 
 
+@dataclass(frozen=True)
+class _Activation:
+    """Bytes of one activation of each width for the T = batch x row tokens of a step, in the compute dtype
+    (the logits in float32, as the loss reads them), and of one score matrix S = batch x heads x L^2."""
+
+    tokens: int  # T
+    hidden: int  # T x hidden
+    queries: int  # T x q_dims
+    keys: int  # T x kv_dims (keys or values)
+    intermediate: int  # T x intermediate
+    logits: int  # T x vocabulary, float32
+    scores: int  # S
+    log_sum_exp: int  # batch x heads x L, float32 (what cuDNN's fused backward keeps instead of S)
+
+
+def _activation(arch: Architecture, settings: TrainSettings) -> _Activation:
+    c, batch, length = arch.dtype_bytes, settings.batch_size, settings.row_tokens
+    tokens = batch * length
+    return _Activation(tokens, tokens * arch.hidden * c, tokens * arch.q_dims * c, tokens * arch.kv_dims * c,
+                       tokens * arch.intermediate * c, tokens * arch.vocab * 4,
+                       batch * arch.heads * length * length * c, batch * arch.heads * length * 4)
+
+
+@dataclass(frozen=True)
+class _Trained:
+    """What a step trains: n blocks, the linear layers of a block whose weight (or adapter) gradients come last,
+    the trainable parameters and their bytes, and the arrays AdamW updates."""
+
+    blocks: int
+    linears: list
+    parameters: int
+    parameter_bytes: int  # per parameter: float32 adapters, else the model's dtype
+    adapter_bytes: int  # the LoRA adapters (0: full fine-tuning trains the weights themselves)
+    arrays: int
+    adapter_activations: int  # bytes per block the adapters keep for their backward: x A (and float32 inputs)
+
+
+def _trained(arch: Architecture, settings: TrainSettings, act: _Activation) -> _Trained:
+    if settings.lora:
+        blocks, linears = _lora_shapes(arch, settings)
+        adapters = blocks * settings.lora_rank * sum(lin.inputs + lin.outputs for lin in linears)
+        kept = len(linears) * act.tokens * settings.lora_rank * 4  # x @ A, kept for B's gradient
+        if arch.dtype_bytes < 4:  # float32 adapters promote their input: each keeps a float32 copy for A's gradient
+            kept += 4 * act.tokens * sum(lin.inputs for lin in linears)
+        return _Trained(blocks, linears, adapters, 4, adapters * 4, 2 * blocks * len(linears), kept)
+    linears = arch.block_linears()
+    per_block = len(linears) + sum(lin.bias for lin in linears)
+    per_block += arch.spec.block_norms * (2 if arch.spec.norm_bias else 1) + (2 if arch.spec.qk_norm else 0)
+    arrays = arch.layers * per_block + 2 + (0 if arch.tied else 1) + (1 if arch.spec.norm_bias else 0)
+    return _Trained(arch.layers, linears, arch.parameter_counts()["total"], arch.dtype_bytes, 0, arrays, 0)
+
+
+@dataclass(frozen=True)
+class _Block:
+    """Bytes of one trained block in the backward pass, each split into score matrices and the rest: what it
+    keeps for its backward (`saved`), what is recomputed for the block being differentiated (checkpointing), and
+    what a block already differentiated still holds (`kept`, scores none)."""
+
+    saved: float
+    saved_scores: float
+    recomputed: float
+    recomputed_scores: float
+    kept: float
+
+
+def _block(arch: Architecture, settings: TrainSettings, counts: Counts, act: _Activation, trained: _Trained,
+           path: str) -> _Block:
+    c, norms = arch.dtype_bytes, arch.spec.block_norms
+    qk_norms = 8 * (act.queries + act.keys) // c if arch.spec.qk_norm else 0  # normalized input and output
+    everything = (2 * act.hidden + norms * 8 * act.hidden // c + 2 * act.queries + 2 * act.keys
+                  + _mlp_saved(arch) * act.intermediate + qk_norms + trained.adapter_activations)
+    scores = act.scores * (2 if arch.spec.softcap else 1)
+    if settings.grad_checkpoint:  # the block input stays; the block being differentiated is recomputed
+        hidden_arrays, intermediate_arrays, score_arrays = counts.checkpointed
+        saved = act.hidden + hidden_arrays * act.hidden + intermediate_arrays * act.intermediate
+        saved_scores, recomputed, recomputed_scores = score_arrays * act.scores, everything, scores
+    else:
+        saved, saved_scores, recomputed, recomputed_scores = everything, scores, 0, 0
+    if path != "unfused":  # the fused forward keeps no scores; the unfused backward recomputes them
+        saved_scores, recomputed_scores = 0, (0 if path == "fused" else scores)
+    if path == "fused":  # cuDNN's backward keeps the float32 log-sum-exp of each query instead
+        saved += act.log_sum_exp if not settings.grad_checkpoint else 0
+        recomputed += act.log_sum_exp
+    # the inputs and output gradients of a block's linear layers wait for the (last) weight-gradient products
+    # (distinct inputs: the two norm outputs, the attention output and the MLP's product)
+    # (LoRA: the adapters' output gradients are float32, and so are their promoted inputs)
+    output_bytes = 4 if settings.lora else c
+    waiting = act.tokens * (output_bytes * sum(lin.outputs for lin in trained.linears)
+                            + c * (2 * arch.hidden + arch.q_dims + arch.intermediate)) \
+        + (trained.adapter_activations if c < 4 else 0)
+    hidden_arrays, intermediate_arrays = counts.kept
+    kept = int(counts.kept_fraction * waiting) + (hidden_arrays * act.hidden + intermediate_arrays * act.intermediate)
+    return _Block(saved, saved_scores, recomputed, recomputed_scores, kept)
+
+
+def _working_sets(arch: Architecture, settings: TrainSettings, counts: Counts, act: _Activation,
+                  path: str) -> tuple[float, float, float, float]:
+    """(logits at the head, the head's other temporaries, the backward's score-sized and other temporaries): the
+    `COUNTS` arrays alive at once, in bytes."""
+    c = arch.dtype_bytes
+    logit_copies, hidden_arrays, intermediate_arrays = counts.head
+    logits = logit_copies * act.logits + (act.tokens * arch.vocab * c if c < 4 else 0) \
+        + (2 * act.logits if arch.spec.softcap else 0)
+    # in a 16-bit model about half of these temporaries are float32 (RMSNorm, RoPE, loss, LoRA)
+    wide = (c + 4) / (2 * c)
+    head = wide * (hidden_arrays * act.hidden + intermediate_arrays * act.intermediate)
+    score_arrays, hidden_arrays, intermediate_arrays = counts.backward
+    backward_scores = 0 if path == "fused" else score_arrays * act.scores
+    backward = wide * (hidden_arrays * act.hidden + intermediate_arrays * act.intermediate)
+    if not settings.lora:  # weight gradients already allocated by the evaluator running ahead
+        embeddings, blocks = counts.gradients
+        params = arch.parameter_counts()
+        head += int(embeddings * params["embedding"] * c)
+        backward += int(blocks * params["block"] * c)
+    return logits, head, backward_scores, backward
+
+
+def _phases(arch: Architecture, settings: TrainSettings, counts: Counts, act: _Activation, trained: _Trained,
+            block: _Block, path: str) -> dict:
+    """{phase: {component: bytes alive at its peak}} for the head, the backward and the update (module
+    docstring), scaled by `GPU_FACTORS` on a GPU."""
+    n = trained.blocks
+    gradients = trained.parameters * trained.parameter_bytes
+    persistent = {"weights": arch.weight_bytes(), "lora_adapters": trained.adapter_bytes,
+                  "optimizer_state": 2 * gradients, "gradients": gradients if settings.grad_accum > 1 else 0}
+    logits, head_rest, work_scores, work_rest = _working_sets(arch, settings, counts, act, path)
+    saved, saved_scores, kept = block.saved, block.saved_scores, block.kept
+    phases = {}
+    phases["head"] = {**persistent, "activations": n * saved, "attention_scores": n * saved_scores,
+                      "logits": logits, "backward_temporaries": head_rest, "update_temporaries": 0}
+    # the backward's peak: k blocks still to differentiate keep what they saved, the n - k done ones what waits
+    last = max(range(1, n + 1), key=lambda k: k * (saved + saved_scores) + (n - k) * kept)
+    phases["backward"] = {**persistent, "activations": last * saved + (n - last) * kept,
+                          "attention_scores": last * saved_scores + work_scores + block.recomputed_scores,
+                          "logits": 0, "backward_temporaries": work_rest + block.recomputed, "update_temporaries": 0}
+    in_flight = min(trained.arrays, counts.update)
+    phases["update"] = {**persistent, "gradients": gradients, "activations": 0, "attention_scores": 0, "logits": 0,
+                        "backward_temporaries": 0,
+                        "update_temporaries": 4 * in_flight * gradients // max(trained.arrays, 1)}
+    if settings.backend != "cpu":
+        factor = GPU_FACTORS[(settings.compile, settings.grad_checkpoint)]
+        phases = {name: {k: v * factor if k in TRANSIENT else v for k, v in parts.items()}
+                  for name, parts in phases.items()}
+    return {name: {k: int(v) for k, v in parts.items()} for name, parts in phases.items()}
+
+
 def training_memory(config: dict | Architecture, settings: TrainSettings) -> Estimate:
     """Peak bytes of one training step of `settings` on the model of `config` (second and later steps,
     when the AdamW state exists): see the module docstring for the terms."""
@@ -484,95 +618,19 @@ def training_memory(config: dict | Architecture, settings: TrainSettings) -> Est
     if not settings.lora and arch.quant_bits:
         raise UserError("full fine-tuning cannot train a quantized model; use LoRA (--lora) or an unquantized base")
     counts = COUNTS[(settings.lora, settings.compile, settings.grad_checkpoint)]
-    c = arch.dtype_bytes
-    params = arch.parameter_counts()
-    weights = arch.weight_bytes()
-    B, L = settings.batch_size, settings.row_tokens
-    T = B * L
-    td, tq, tkv, ti = T * arch.hidden * c, T * arch.q_dims * c, T * arch.kv_dims * c, T * arch.intermediate * c
-    tv = T * arch.vocab * 4  # logits are cast to float32 for the loss
-    score = B * arch.heads * L * L * c
-
-    if settings.lora:
-        trained_blocks, linears = _lora_shapes(arch, settings)
-        adapter_params = trained_blocks * settings.lora_rank * sum(lin.inputs + lin.outputs for lin in linears)
-        lora_bytes, trainable, param_bytes = adapter_params * 4, adapter_params, 4  # adapters are float32
-        arrays = 2 * trained_blocks * len(linears)
-        lora_tokens = len(linears) * T * settings.lora_rank * 4  # x @ A, kept for B's gradient
-        if c < 4:  # float32 adapters promote their input: each keeps a float32 copy for A's gradient
-            lora_tokens += 4 * T * sum(lin.inputs for lin in linears)
-    else:
-        trained_blocks, lora_bytes, trainable, param_bytes, lora_tokens = arch.layers, 0, params["total"], c, 0
-        linears = arch.block_linears()
-        per_block = len(linears) + sum(lin.bias for lin in linears)
-        per_block += arch.spec.block_norms * (2 if arch.spec.norm_bias else 1) + (2 if arch.spec.qk_norm else 0)
-        arrays = arch.layers * per_block + 2 + (0 if arch.tied else 1) + (1 if arch.spec.norm_bias else 0)
-    optimizer = 2 * trainable * param_bytes
-    gradients = trainable * param_bytes
-    n = trained_blocks
-
-    # what one block keeps for its backward (module docstring), split into scores and the rest
-    norms = arch.spec.block_norms
-    qk = 8 * (tq + tkv) // c if arch.spec.qk_norm else 0  # q/k norms keep their normalized input and output
-    block_saved = 2 * td + norms * 8 * td // c + 2 * tq + 2 * tkv + _mlp_saved(arch) * ti + qk + lora_tokens
-    block_scores = score * (2 if arch.spec.softcap else 1)
+    act = _activation(arch, settings)
+    trained = _trained(arch, settings, act)
     path = attention_path(arch, settings)
-    if settings.grad_checkpoint:  # the block input stays; the block being differentiated is recomputed
-        cd, ci, cs = counts.checkpointed
-        saved, saved_scores, recompute, recompute_scores = td + cd * td + ci * ti, cs * score, block_saved, block_scores
-    else:
-        saved, saved_scores, recompute, recompute_scores = block_saved, block_scores, 0, 0
-    if path != "unfused":  # the fused forward keeps no scores; the unfused backward recomputes them
-        saved_scores, recompute_scores = 0, (0 if path == "fused" else block_scores)
-    if path == "fused":  # cuDNN's backward keeps the float32 log-sum-exp of each query instead
-        saved += B * arch.heads * L * 4 if not settings.grad_checkpoint else 0
-        recompute += B * arch.heads * L * 4
-    # the inputs and output gradients of a block's linear layers wait for the (last) weight-gradient products
-    # (distinct inputs: the two norm outputs, the attention output and the MLP's product)
-    # (LoRA: the adapters' output gradients are float32, and so are their promoted inputs)
-    out_bytes = 4 if settings.lora else c
-    kept = T * (out_bytes * sum(lin.outputs for lin in linears)
-                + c * (2 * arch.hidden + arch.q_dims + arch.intermediate)) + (lora_tokens if c < 4 else 0)
-    kept = int(counts.kept_fraction * kept)
-    kd, ki = counts.kept
-    kept += kd * td + ki * ti
-    hv, hd, hi = counts.head
-    head_logits = hv * tv + (T * arch.vocab * c if c < 4 else 0) + (2 * tv if arch.spec.softcap else 0)
-    # working sets: in a 16-bit model about half of these temporaries are float32 (RMSNorm, RoPE, loss, LoRA)
-    wide = (c + 4) / (2 * c)
-    head_rest = wide * (hd * td + hi * ti)
-    bs, bd, bi = counts.backward
-    work_scores, work_rest = (0 if path == "fused" else bs * score), wide * (bd * td + bi * ti)
-    if not settings.lora:  # weight gradients already allocated by the evaluator running ahead
-        ge, gb = counts.gradients
-        head_rest += int(ge * params["embedding"] * c)
-        work_rest += int(gb * params["block"] * c)
-
-    persistent = {"weights": weights, "lora_adapters": lora_bytes, "optimizer_state": optimizer,
-                  "gradients": gradients if settings.grad_accum > 1 else 0}
-    phases = {}
-    phases["head"] = {**persistent, "activations": n * saved, "attention_scores": n * saved_scores,
-                      "logits": head_logits, "backward_temporaries": head_rest, "update_temporaries": 0}
-    best_k = max(range(1, n + 1), key=lambda k: k * (saved + saved_scores) + (n - k) * kept)
-    phases["backward"] = {**persistent, "activations": best_k * saved + (n - best_k) * kept,
-                          "attention_scores": best_k * saved_scores + work_scores + recompute_scores,
-                          "logits": 0, "backward_temporaries": work_rest + recompute, "update_temporaries": 0}
-    in_flight = min(arrays, counts.update)
-    phases["update"] = {**persistent, "gradients": gradients, "activations": 0, "attention_scores": 0, "logits": 0,
-                        "backward_temporaries": 0,
-                        "update_temporaries": 4 * in_flight * gradients // max(arrays, 1)}
-    if settings.backend != "cpu":
-        factor = GPU_FACTORS[(settings.compile, settings.grad_checkpoint)]
-        phases = {name: {k: v * factor if k in TRANSIENT else v for k, v in parts.items()}
-                  for name, parts in phases.items()}
-    phases = {name: {k: int(v) for k, v in parts.items()} for name, parts in phases.items()}
+    block = _block(arch, settings, counts, act, trained, path)
+    phases = _phases(arch, settings, counts, act, trained, block, path)
     totals = {name: sum(parts.values()) for name, parts in phases.items()}
     phase = max(totals, key=totals.get)
     details = {
-        "parameters": params["total"], "trainable_parameters": trainable, "trained_blocks": n,
-        "tokens_per_row": L, "tokens_per_step": T * settings.grad_accum, "dtype": arch.dtype,
-        "activation_bytes_per_block": saved + saved_scores, "score_matrix_bytes": score,
-        "logits_bytes": tv, "phase_peaks": totals, "family": arch.family, "known_family": arch.known,
+        "parameters": arch.parameter_counts()["total"], "trainable_parameters": trained.parameters,
+        "trained_blocks": trained.blocks, "tokens_per_row": settings.row_tokens,
+        "tokens_per_step": act.tokens * settings.grad_accum, "dtype": arch.dtype,
+        "activation_bytes_per_block": block.saved + block.saved_scores, "score_matrix_bytes": act.scores,
+        "logits_bytes": act.logits, "phase_peaks": totals, "family": arch.family, "known_family": arch.known,
         "warnings": list(arch.warnings), "backend": settings.backend, "attention": path,
     }
     return Estimate(totals[phase], phase, phases[phase], details)
@@ -733,7 +791,7 @@ def _largest(fits, low: int, high: int) -> int:
     return low
 
 
-def make_plan(config: dict | Architecture, settings: TrainSettings, available: int) -> Plan:
+def plan_memory(config: dict | Architecture, settings: TrainSettings, available: int) -> Plan:
     """Predict `settings` on `config` and search what fits into `available` bytes."""
     arch = config if isinstance(config, Architecture) else architecture(config)
     estimate = training_memory(arch, settings)
@@ -799,13 +857,13 @@ def check_run(config: dict, run, window: int, target: int | None, ref=None) -> P
         return None
     settings, available = run_settings(run, window, target), limit(run)[0]
     arch = loaded_architecture(config, ref, settings.backend)
-    return make_plan(arch, settings, available) if run.force else check_fits(arch, settings, available)
+    return plan_memory(arch, settings, available) if run.force else check_fits(arch, settings, available)
 
 
 def check_fits(config: dict | Architecture, settings: TrainSettings, max_memory: int) -> Plan:
     """The plan of the run; raises UserError (one line with the best change) when the predicted peak exceeds
     `max_memory` bytes (finetune's --max-memory; --force skips this check)."""
-    plan = make_plan(config, settings, max_memory)
+    plan = plan_memory(config, settings, max_memory)
     if not plan.fits:
         raise UserError(f"this run needs about {format_size(plan.estimate.peak)} at its peak, more than "
                         f"{format_size(max_memory)}; {plan.advice()}; or --force to try anyway")

@@ -84,19 +84,10 @@ def make_plan(invocation: Invocation) -> RunPlan:
         raise UserError("--target is required (e.g. 32k or 8x)")
     ref = source.resolve(s.model)
     config = source.read_config(ref)
-    original = s.original or source.original_window(config, ref)
-    if original is None:
-        raise UserError("the model config has neither rope_scaling.original_max_position_embeddings nor "
-                        "max_position_embeddings; pass --original")
-    target = parse_length(s.target, original, "--target")
-    if target <= original:
-        raise UserError(f"--target {target} must be larger than the original window {original}")
+    original, window, target = _lengths(s, config, ref)
     if s.sampler != "none" and not s.data:
         raise UserError("--data is required unless --sampler none")
     _warn_about_scaling(s, config, original, target)
-    window = s.window or original
-    if window > target:
-        raise UserError(f"--window {window} must be at most the target {target}")
     if s.sampler in ("pose", "pose-ref") and s.chunks > window:
         raise UserError(f"--chunks {s.chunks} must be at most the window {window} (each chunk holds a token)")
     if s.sampler == "pose-middle" and window < 3:
@@ -132,6 +123,26 @@ def _claim_run_folder(plan: RunPlan) -> None:
     save_run_file(plan.settings, plan.partial, plan.world.size)
 
 
+def _lengths(s: RunSettings, config: dict, ref: source.ModelRef) -> tuple[int, int, int | None]:
+    """(original, window, target) of the settings against the model's config: `original` from the settings, the
+    alias or the config; `window` default original; `target` by the length grammar (`8x` = 8 * original), None
+    when not given (the planner plans PoSE without it: its memory does not depend on it); target > original and
+    window <= target."""
+    original = s.original or source.original_window(config, ref)
+    if original is None:
+        raise UserError("the model config has neither rope_scaling.original_max_position_embeddings nor "
+                        "max_position_embeddings; pass --original")
+    window = s.window or original
+    if not s.target:
+        return original, window, None
+    target = parse_length(s.target, original, "--target")
+    if target <= original:
+        raise UserError(f"--target {target} must be larger than the original window {original}")
+    if window > target:
+        raise UserError(f"--window {window} must be at most the target {target}")
+    return original, window, target
+
+
 def _warn_about_scaling(s: RunSettings, config: dict, original: int, target: int) -> None:
     """Double scaling (the model already scales its RoPE) and a factor that is not target / original."""
     if config.get("rope_scaling"):
@@ -144,15 +155,16 @@ def _warn_about_scaling(s: RunSettings, config: dict, original: int, target: int
 
 
 def _lora_spec(s: RunSettings, config: dict) -> LoraSpec:
-    blocks = config.get("num_hidden_layers") or config.get("n_layer") or config.get("num_layers")
-    if isinstance(blocks, int) and s.lora_layers > blocks:
-        raise UserError(f"--lora-layers {s.lora_layers} must be between 1 and the model's {blocks} blocks "
+    """The adapters of the run, checked against the model's blocks and hidden size (`memory.architecture`'s shapes,
+    which the memory prediction reads too)."""
+    arch = memory.architecture(config)
+    if s.lora_layers > arch.layers:
+        raise UserError(f"--lora-layers {s.lora_layers} must be between 1 and the model's {arch.layers} blocks "
                         "(or -1 for all)")
-    hidden = config.get("hidden_size") or config.get("n_embd")
-    if isinstance(hidden, int) and s.lora_rank > hidden:
-        raise UserError(f"--lora-rank {s.lora_rank} must be at most the model's hidden size {hidden}")
-    layers = blocks if s.lora_layers < 0 and isinstance(blocks, int) else s.lora_layers
-    return LoraSpec(rank=s.lora_rank, scale=s.lora_scale, num_layers=int(layers))
+    if s.lora_rank > arch.hidden:
+        raise UserError(f"--lora-rank {s.lora_rank} must be at most the model's hidden size {arch.hidden}")
+    layers = arch.layers if s.lora_layers < 0 else s.lora_layers
+    return LoraSpec(rank=s.lora_rank, scale=s.lora_scale, num_layers=layers)
 
 
 def _resolved(path) -> Path:
@@ -283,25 +295,6 @@ def _remove_leftovers(plan: RunPlan) -> None:
 # ------------------------------------------------------------------------------------- python -m pose_mlx.plan
 
 
-def _lengths(s: RunSettings, config: dict, ref: source.ModelRef) -> tuple[int, int | None]:
-    """(window, target) of the settings against the model's config, as `make_plan` resolves them; the target may
-    be left out, except for full-length sampling (PoSE's memory does not depend on it)."""
-    original = s.original or source.original_window(config, ref)
-    if original is None:
-        raise UserError("the model config does not say its window; pass --original")
-    if not s.target:
-        if s.sampler == "full":
-            raise UserError("--target is required with --sampler full (its rows have the target's length)")
-        return s.window or original, None
-    target = parse_length(s.target, original, "--target")
-    if target <= original:
-        raise UserError(f"--target {target} must be larger than the original window {original}")
-    window = s.window or original
-    if window > target:
-        raise UserError(f"--window {window} must be at most the target {target}")
-    return window, target
-
-
 _ROWS = (
     ("weights", "weights"),
     ("lora_adapters", "LoRA adapters"),
@@ -393,7 +386,9 @@ def planned_run(argv) -> tuple[RunSettings, source.ModelRef, dict, memory.TrainS
         raise UserError("--sampler none trains nothing: there is no training step to plan")
     ref = source.resolve(s.model, weights=False)
     config = source.read_config(ref)
-    window, target = _lengths(s, config, ref)
+    _, window, target = _lengths(s, config, ref)
+    if target is None and s.sampler == "full":
+        raise UserError("--target is required with --sampler full (its rows have the target's length)")
     if not s.full:
         _lora_spec(s, config)
     return s, ref, config, memory.run_settings(s, window, target)
@@ -407,7 +402,7 @@ def main(argv=None) -> int:
     s, ref, config, settings = planned_run(argv)
     arch = memory.loaded_architecture(config, ref, settings.backend)
     available, where = memory.limit(s)
-    plan = memory.make_plan(arch, settings, available)
+    plan = memory.plan_memory(arch, settings, available)
     if "--json" in argv:
         record = {**plan.as_dict(), "available_source": where, "model": s.model, "backend": settings.backend,
                   "row_tokens": settings.row_tokens, "attention": plan.estimate.details["attention"],

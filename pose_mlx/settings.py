@@ -1,6 +1,10 @@
 """The settings of one fine-tuning run: built once from flags and a YAML file (or, with `--resume`, from the run
 folder's run.json), type-checked and validated once, saved in run.json, read by every stage.
 
+Each setting is declared once, as a field of `RunSettings` whose `metadata` holds its flags (with their help),
+the other YAML names it is known by, and the rule its value obeys; the argparse flags, the `--help` text, the YAML
+keys accepted and the range checks of `validate` are generated from these declarations.
+
 Sources, later ones winning: the defaults of `RunSettings`, the YAML file of `--config` (keys are the settings'
 names, the flags' names with `-` or `_`, or mlx-lm's names for the same things), the flags given on the command
 line. With `--resume`, run.json replaces the defaults and the YAML file, and a flag that would change the run's
@@ -20,8 +24,9 @@ import json
 import math
 import re
 import sys
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import Field, asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Callable
 
 from .errors import ArgumentParser, UserError
 from .places import check_output
@@ -35,46 +40,149 @@ ALIGN_ROWS = ("auto", "on", "off")
 ADJUSTABLE = ("steps", "progress", "save_every", "cache_dir", "max_memory", "force")
 
 
+# ------------------------------------------------------------------------------------- the declarations
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One command-line flag of a setting: a flag that takes a value (`sets` is None), or a switch that sets the
+    setting to `sets` (True or False). `argparse`: extra keyword arguments of `add_argument` (metavar, choices)."""
+
+    option: str
+    help: str
+    sets: bool | None = None
+    argparse: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a setting's value must satisfy: `holds(value)`, else the UserError `message` formatted with the flag
+    and the value. None is always allowed (it stands for the default)."""
+
+    holds: Callable
+    message: str
+
+
+def between(low, high) -> Rule:
+    """low <= value <= high."""
+    return Rule(lambda v: low <= v <= high, f"{{flag}} must be between {low} and {high}, got {{value}}")
+
+
+POSITIVE = Rule(lambda v: math.isfinite(v) and v > 0, "{flag} must be a finite number > 0, got {value}")
+
+
+def one_of(choices: tuple) -> Rule:
+    return Rule(lambda v: v in choices, f"{{flag}} {{value!r}} is not one of {', '.join(choices)}")
+
+
+def setting(default, help: str | None = None, *, flags: tuple = (), rule: Rule | None = None, aliases: tuple = (),
+            deprecated: tuple = (), **argparse_options):
+    """A `RunSettings` field: `default`; one flag `--<name>` with `help` (and the `argparse_options`), or the
+    `flags` given; the value's `rule`; `aliases`, other YAML keys for it (mlx-lm's names); `deprecated`, older
+    names still accepted with a warning (flags when they start with --, else YAML keys only)."""
+    factory = {"default_factory": default} if callable(default) else {"default": default}
+    meta = {"help": help, "flags": flags, "argparse": argparse_options, "rule": rule, "aliases": aliases,
+            "deprecated": deprecated}
+    return field(**factory, metadata=meta)
+
+
 @dataclass
 class RunSettings:
-    """Every setting of a fine-tuning run; the field names are the flags' names."""
+    """Every setting of a fine-tuning run; the field names are the flags' names (see `setting`)."""
 
-    model: str | None = None
-    target: str | None = None
-    original: int | None = None
-    window: int | None = None
-    schedule: str = "linear"
-    schedule_params: dict = field(default_factory=dict)
-    sampler: str = "pose"
-    chunks: int = 2
-    content: str = "uniform"
-    short_share: float = 0.0
-    full: bool = False
-    lora_rank: int = 8
-    lora_layers: int = -1
-    lora_scale: float = 20.0
-    fuse: bool = True
-    lr: float = 2e-5
-    steps: int = 1000
-    batch_size: int = 1
-    grad_accum: int = 1
-    warmup: int = 10
-    max_grad_norm: float = 1.0
-    grad_checkpoint: bool = False
-    compile: bool = True
-    align_rows: str = "auto"
-    data: str | None = None
-    min_length: int | None = None
-    cache_dir: str = "~/.cache/pose_mlx/tokens"
-    heldout: float = 0.05
-    eval_every: int = 0
-    eval_batches: int = 8
-    seed: int = 0
-    output: str | None = None
-    save_every: int = 100
-    progress: bool = True
-    max_memory: str | None = None
-    force: bool = False
+    model: str | None = setting(
+        None, "local mlx-lm/HF model folder, .gguf file, Hugging Face hub id, or an alias listed below")
+    target: str | None = setting(
+        None, "target context length: 32768, 32k, 32K, 1.5k (k = 1024) or 8x (times --original)")
+    original: int | None = setting(
+        None, "the model's original (pre-training) window (default: the alias's window, else the config's "
+              "rope_scaling.original_max_position_embeddings, else its max_position_embeddings)",
+        rule=between(2, 1 << 24))
+    window: int | None = setting(None, "training window in tokens (default: --original)", rule=between(2, 1 << 24),
+                                 aliases=("max_seq_length",))
+    schedule: str = setting(
+        "linear", f"RoPE frequency schedule: {', '.join(SCHEDULES)} (default linear = Position Interpolation, as in "
+                  "the paper)", deprecated=("--scaling",))
+    schedule_params: dict = setting(
+        dict, flags=(Flag("--schedule-param", "schedule parameter KEY=VALUE, repeatable, e.g. beta_fast=32, "
+                      "blend=wavelength, beta=500000 (the keys of each schedule are listed below); --schedule yarn "
+                      "with attention_factor=1 keeps YaRN's frequencies without its attention temperature (kept "
+                      "in-window retrieval where full YaRN lost it; may cost perplexity on long inputs)",
+                      argparse={"action": "append", "metavar": "KEY=VALUE"}),),
+        deprecated=("--scaling-param", "scaling_params"))
+    sampler: str = setting(
+        "pose", "how position ids are drawn: pose (the paper), pose-ref (the authors' code), pose-middle (CREAM-style: "
+                "head at 0, tail at the end of the target window, middle placed by a truncated Gaussian around the "
+                "middle; trains both ends and the middle distances more, the other distances less than pose), "
+                "randpos, full (full-length fine-tuning at the target), plain (ordinary fine-tuning: positions "
+                "0..window-1 with the original RoPE, the --schedule applied only at export; the control that gets "
+                "PoSE's adaptation without its positions), none (schedule only: extend and export, no training)",
+        rule=one_of(RUN_SAMPLERS), deprecated=("--method",))
+    chunks: int = setting(2, "number of PoSE chunks N (default 2)", rule=between(1, 1 << 24))
+    content: str = setting("uniform", "PoSE content offsets v_i: uniform (paper), zero (v_i = 0), aligned (v_i = u_i)",
+                           rule=one_of(CONTENT))
+    short_share: float = setting(
+        0.0, "mixed-window training (LongRoPE2): this fraction F of the training rows (0 <= F < 1, default 0) read "
+             "positions 0..window-1 with the model's original RoPE (attention factor 1), the rest come from "
+             "--sampler with the --schedule; meant to keep short-context skills. Costs: only 1 - F of the tokens "
+             "train the long positions (raise --steps by 1/(1 - F) for the same long-context training); the same "
+             "memory (same row length); the exported model uses the schedule everywhere",
+        rule=Rule(lambda v: 0 <= v < 1, "{flag} must be a fraction in [0, 1), got {value!r}"), metavar="F")
+    full: bool = setting(False, flags=(Flag("--lora", "train LoRA adapters (default; works on quantized bases)", False),
+                                       Flag("--full", "train all weights", True)))
+    lora_rank: int = setting(8, "LoRA rank r (default 8)", rule=between(1, 1 << 16))
+    lora_layers: int = setting(
+        -1, "LoRA in the last N transformer blocks (default -1: all)",
+        rule=Rule(lambda v: v >= 1 or v == -1, "{flag} must be >= 1, or -1 for all blocks; got {value}"),
+        aliases=("num_layers",))
+    lora_scale: float = setting(20.0, "LoRA output scale (mlx-lm's 'scale', default 20)", rule=POSITIVE)
+    fuse: bool = setting(True, flags=(Flag("--no-fuse", "keep LoRA adapters separate (adapters.safetensors) instead "
+                                                        "of fusing them into the weights", False),))
+    lr: float = setting(2e-5, "peak learning rate of AdamW (default 2e-5)", rule=POSITIVE, aliases=("learning_rate",))
+    steps: int = setting(1000, "optimizer updates (default 1000); with --resume it may be changed, e.g. raised to "
+                               "train longer", rule=between(1, 10**9), aliases=("iters",))
+    batch_size: int = setting(1, "sequences per micro-batch (per rank under mlx.launch; default 1)",
+                              rule=between(1, 1 << 16))
+    grad_accum: int = setting(1, "micro-batches per update (default 1)", rule=between(1, 1 << 16),
+                              aliases=("grad_accumulation_steps",))
+    warmup: int = setting(10, "linear warm-up updates, then linear decay to 0 (default 10)", rule=between(0, 10**9))
+    max_grad_norm: float = setting(1.0, "clip the global gradient norm (default 1.0)", rule=POSITIVE)
+    grad_checkpoint: bool = setting(False, flags=(Flag(
+        "--grad-checkpoint", "recompute block activations in the backward pass: slower (a second forward of each "
+        "block), the memory saved depends on the run (Llama-2-7B LoRA at a 4k window: 94 -> 24 GiB on the CPU, 97 "
+        "-> 32 GiB on a GPU; `python -m pose_mlx.plan` predicts yours)", True),))
+    compile: bool = setting(True, flags=(Flag("--no-compile", "run the training step eagerly instead of under "
+                                                              "mx.compile (same math)", False),))
+    align_rows: str = setting(
+        "auto", "pad every training row with masked tokens to a multiple of 128 inputs, the query length for which "
+                "MLX's CUDA attention differentiates through cuDNN's fused kernel instead of recomputing the score "
+                "matrices: auto (default: on with CUDA, off on Metal and the CPU, which train with the unfused "
+                "attention), on, off. Costs the padding's compute (up to 127 positions per row; 1 with the default "
+                "window of a power of two); the loss and its gradient are unchanged",
+        rule=one_of(ALIGN_ROWS), choices=ALIGN_ROWS)
+    data: str | None = setting(None, "text file, folder of .txt/.md/.py/.jsonl files (mlx-lm's train/valid/test.jsonl "
+                                     "layout included), or a hub dataset repo")
+    min_length: int | None = setting(
+        None, "skip documents shorter than this many tokens (default: the window; the target for --sampler full)",
+        rule=between(1, 1 << 31))
+    cache_dir: str = setting("~/.cache/pose_mlx/tokens",
+                             "where tokenized corpora are cached (default ~/.cache/pose_mlx/tokens)")
+    heldout: float = setting(
+        0.05, "fraction of documents held out for --eval-every when the data has no valid.jsonl (default 0.05)",
+        rule=Rule(lambda v: 0 < v < 1, "{flag} must be between 0 and 1 (a fraction of the documents), got {value}"))
+    eval_every: int = setting(0, "evaluate the held-out loss every N steps (0: never)", rule=between(0, 10**9),
+                              aliases=("steps_per_eval",))
+    eval_batches: int = setting(8, "held-out batches per evaluation (default 8)", rule=between(1, 1 << 20),
+                                aliases=("val_batches",))
+    seed: int = setting(0, "seed of data sampling and LoRA initialisation (default 0)", rule=between(0, 2**32 - 1))
+    output: str | None = setting(None, "output model folder (default: <model name>-<sampler>-<target>)")
+    save_every: int = setting(100, "checkpoint every N steps (default 100; 0: only at the end and on "
+                                   "Ctrl-C/SIGTERM)", rule=between(0, 10**9))
+    progress: bool = setting(True, flags=(Flag("--no-progress", "no progress bar", False),))
+    max_memory: str | None = setting(None, "refuse to start when the predicted peak memory exceeds this (e.g. 48GB, "
+                                           "16GiB; default: the memory available on this machine)")
+    force: bool = setting(False, flags=(Flag("--force", "start even when the predicted peak memory exceeds "
+                                                        "--max-memory", True),))
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -85,73 +193,36 @@ class Invocation:
     """What one command line asks for: the run's settings and what to do with an existing run folder."""
 
     settings: RunSettings
-    resume: bool = False
-    overwrite: bool = False
+    resume: bool = setting(False, flags=(Flag("--resume", "continue the unfinished run of --output (its settings "
+                                              "are read from the run folder; no other flag is needed)", True),))
+    overwrite: bool = setting(False, flags=(Flag("--overwrite", "replace an existing output folder / unfinished run "
+                                                 "written by pose_mlx (never anything else)", True),))
     given: frozenset = frozenset()  # the settings given explicitly (flags or YAML)
 
 
-# --------------------------------------------------------------------------------------------- the flags
+def flags_of(f) -> tuple:
+    """The flags of field `f`: the ones declared, else `--<name>` taking a value, with the field's help."""
+    meta = f.metadata
+    return meta["flags"] or (Flag("--" + f.name.replace("_", "-"), meta["help"], None, meta["argparse"]),)
 
-_HELP = {
-    "model": "local mlx-lm/HF model folder, .gguf file, Hugging Face hub id, or an alias listed below",
-    "target": "target context length: 32768, 32k, 32K, 1.5k (k = 1024) or 8x (times --original)",
-    "original": "the model's original (pre-training) window (default: the alias's window, else the config's "
-                "rope_scaling.original_max_position_embeddings, else its max_position_embeddings)",
-    "window": "training window in tokens (default: --original)",
-    "schedule": f"RoPE frequency schedule: {', '.join(SCHEDULES)} (default linear = Position Interpolation, "
-                "as in the paper)",
-    "schedule_params": "schedule parameter KEY=VALUE, repeatable, e.g. beta_fast=32, blend=wavelength, beta=500000 "
-                       "(the keys of each schedule are listed below); --schedule yarn with attention_factor=1 keeps "
-                       "YaRN's frequencies without its attention temperature (kept in-window retrieval where full "
-                       "YaRN lost it; may cost perplexity on long inputs)",
-    "sampler": "how position ids are drawn: pose (the paper), pose-ref (the authors' code), pose-middle (CREAM-style: "
-               "head at 0, tail at the end of the target window, middle placed by a truncated Gaussian around the "
-               "middle; trains both ends and the middle distances more, the other distances less than pose), "
-               "randpos, full "
-               "(full-length fine-tuning at the target), plain (ordinary fine-tuning: positions 0..window-1 with the "
-               "original RoPE, the --schedule applied only at export; the control that gets PoSE's adaptation "
-               "without its positions), none (schedule only: extend and export, no training)",
-    "chunks": "number of PoSE chunks N (default 2)",
-    "content": "PoSE content offsets v_i: uniform (paper), zero (v_i = 0), aligned (v_i = u_i)",
-    "short_share": "mixed-window training (LongRoPE2): this fraction F of the training rows (0 <= F < 1, default 0) "
-                   "read positions 0..window-1 with the model's original RoPE (attention factor 1), the rest come "
-                   "from --sampler with the --schedule; meant to keep short-context skills. Costs: only 1 - F of "
-                   "the tokens train the long positions (raise --steps by 1/(1 - F) for the same long-context "
-                   "training); the same memory (same row length); the exported model uses the schedule everywhere",
-    "lora_rank": "LoRA rank r (default 8)",
-    "lora_layers": "LoRA in the last N transformer blocks (default -1: all)",
-    "lora_scale": "LoRA output scale (mlx-lm's 'scale', default 20)",
-    "lr": "peak learning rate of AdamW (default 2e-5)",
-    "steps": "optimizer updates (default 1000); with --resume it may be changed, e.g. raised to train longer",
-    "batch_size": "sequences per micro-batch (per rank under mlx.launch; default 1)",
-    "grad_accum": "micro-batches per update (default 1)",
-    "warmup": "linear warm-up updates, then linear decay to 0 (default 10)",
-    "max_grad_norm": "clip the global gradient norm (default 1.0)",
-    "grad_checkpoint": "recompute block activations in the backward pass: slower (a second forward of each block), "
-                       "the memory saved depends on the run (Llama-2-7B LoRA at a 4k window: 94 -> 24 GiB on the CPU, "
-                       "97 -> 32 GiB on a GPU; "
-                       "`python -m pose_mlx.plan` predicts yours)",
-    "align_rows": "pad every training row with masked tokens to a multiple of 128 inputs, the query length for "
-                  "which MLX's CUDA attention differentiates through cuDNN's fused kernel instead of recomputing "
-                  "the score matrices: auto (default: on with CUDA, off on Metal and the CPU, which train with "
-                  "the unfused attention), on, off. Costs the padding's compute (up to 127 positions per row; "
-                  "1 with the default window of a power of two); the loss and its gradient are unchanged",
-    "data": "text file, folder of .txt/.md/.py/.jsonl files (mlx-lm's train/valid/test.jsonl layout included), "
-            "or a hub dataset repo",
-    "min_length": "skip documents shorter than this many tokens (default: the window; the target for "
-                  "--sampler full)",
-    "cache_dir": "where tokenized corpora are cached (default ~/.cache/pose_mlx/tokens)",
-    "heldout": "fraction of documents held out for --eval-every when the data has no valid.jsonl (default 0.05)",
-    "eval_every": "evaluate the held-out loss every N steps (0: never)",
-    "eval_batches": "held-out batches per evaluation (default 8)",
-    "seed": "seed of data sampling and LoRA initialisation (default 0)",
-    "output": "output model folder (default: <model name>-<sampler>-<target>)",
-    "save_every": "checkpoint every N steps (default 100; 0: only at the end and on Ctrl-C/SIGTERM)",
-    "max_memory": "refuse to start when the predicted peak memory exceeds this (e.g. 48GB, 16GiB; default: the "
-                  "memory available on this machine)",
-    "force": "start even when the predicted peak memory exceeds --max-memory",
-}
-_DEPRECATED_FLAGS = {"--method": "--sampler", "--scaling": "--schedule", "--scaling-param": "--schedule-param"}
+
+def kind_of(f) -> type:
+    """The Python type of field `f` from its annotation ("int | None" -> int)."""
+    return {"int": int, "float": float, "bool": bool, "str": str, "dict": dict}[f.type.split(" |")[0]]
+
+
+def _deprecated_flags() -> dict:
+    """{old flag: (field, the flag that replaces it)}, in alphabetical order."""
+    pairs = [(old, (f, flags_of(f)[0])) for f in fields(RunSettings) for old in f.metadata["deprecated"]
+             if old.startswith("--")]
+    return dict(sorted(pairs, key=lambda pair: pair[0]))
+
+
+def _key(option: str) -> str:
+    return option.lstrip("-").replace("-", "_")
+
+
+# --------------------------------------------------------------------------------------------- the flags
 
 
 def _schedule_help() -> str:
@@ -162,81 +233,58 @@ def _schedule_help() -> str:
     return "\n".join(lines)
 
 
+def _add_flags(parser: argparse.ArgumentParser, f) -> None:
+    """The flags of field `f`: a value flag typed by the annotation; switches (exclusive when several)."""
+    declared = flags_of(f)
+    group = parser.add_mutually_exclusive_group() if len(declared) > 1 else parser
+    for flag in declared:
+        if flag.sets is not None:
+            group.add_argument(flag.option, dest=f.name, action=f"store_{str(flag.sets).lower()}", help=flag.help)
+            continue
+        kind = kind_of(f)
+        typed = {"type": kind} if kind in (int, float) else {}
+        group.add_argument(flag.option, dest=f.name, help=flag.help, **typed, **flag.argparse)
+
+
+def _deprecated_dest(old: str) -> str:
+    return "deprecated" + old.replace("-", "_")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The flags of `python -m pose_mlx.finetune` (and of `python -m pose_mlx.plan`, which takes the same)."""
+    """The flags of `python -m pose_mlx.finetune` (and of `python -m pose_mlx.plan`, which takes the same): one per
+    field of `RunSettings` (the run-folder flags of `Invocation` after --output, which they act on)."""
     from .model.source import describe_aliases
 
+    deprecated = ", ".join(f"{old} = {new.option}" for old, (_, new) in _deprecated_flags().items())
     p = ArgumentParser(
         prog="python -m pose_mlx.finetune", argument_default=argparse.SUPPRESS,
         description="Extend the context window of a RoPE language model with PoSE (positional skip-wise\n"
                     "training) or a baseline, and export a standard mlx-lm model folder.",
         epilog=f"model aliases (--model NAME):\n{describe_aliases()}\n\n"
                f"schedules (--schedule NAME) and their --schedule-param keys with defaults:\n{_schedule_help()}\n\n"
-               "deprecated flags (still accepted): --method = --sampler, --scaling = --schedule, "
-               "--scaling-param = --schedule-param",
+               f"deprecated flags (still accepted): {deprecated}",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    a = p.add_argument
-    a("--config", help="YAML file with any of these settings as keys (flag names with - or _, or mlx-lm's keys); "
-                       "flags given on the command line win")
-    a("--model", help=_HELP["model"])
-    a("--target", help=_HELP["target"])
-    a("--original", type=int, help=_HELP["original"])
-    a("--window", type=int, help=_HELP["window"])
-    a("--schedule", help=_HELP["schedule"])
-    a("--schedule-param", dest="schedule_params", action="append", metavar="KEY=VALUE", help=_HELP["schedule_params"])
-    a("--sampler", help=_HELP["sampler"])
-    a("--chunks", type=int, help=_HELP["chunks"])
-    a("--content", help=_HELP["content"])
-    a("--short-share", type=float, metavar="F", help=_HELP["short_share"])
-    mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--lora", dest="full", action="store_false", help="train LoRA adapters (default; works on "
-                                                                         "quantized bases)")
-    mode.add_argument("--full", dest="full", action="store_true", help="train all weights")
-    a("--lora-rank", type=int, help=_HELP["lora_rank"])
-    a("--lora-layers", type=int, help=_HELP["lora_layers"])
-    a("--lora-scale", type=float, help=_HELP["lora_scale"])
-    a("--no-fuse", dest="fuse", action="store_false", help="keep LoRA adapters separate (adapters.safetensors) "
-                                                           "instead of fusing them into the weights")
-    a("--lr", type=float, help=_HELP["lr"])
-    a("--steps", type=int, help=_HELP["steps"])
-    a("--batch-size", type=int, help=_HELP["batch_size"])
-    a("--grad-accum", type=int, help=_HELP["grad_accum"])
-    a("--warmup", type=int, help=_HELP["warmup"])
-    a("--max-grad-norm", type=float, help=_HELP["max_grad_norm"])
-    a("--grad-checkpoint", action="store_true", help=_HELP["grad_checkpoint"])
-    a("--no-compile", dest="compile", action="store_false",
-      help="run the training step eagerly instead of under mx.compile (same math)")
-    a("--align-rows", choices=ALIGN_ROWS, help=_HELP["align_rows"])
-    a("--data", help=_HELP["data"])
-    a("--min-length", type=int, help=_HELP["min_length"])
-    a("--cache-dir", help=_HELP["cache_dir"])
-    a("--heldout", type=float, help=_HELP["heldout"])
-    a("--eval-every", type=int, help=_HELP["eval_every"])
-    a("--eval-batches", type=int, help=_HELP["eval_batches"])
-    a("--seed", type=int, help=_HELP["seed"])
-    a("--output", help=_HELP["output"])
-    a("--resume", action="store_true", help="continue the unfinished run of --output (its settings are read from "
-                                            "the run folder; no other flag is needed)")
-    a("--overwrite", action="store_true", help="replace an existing output folder / unfinished run written by "
-                                               "pose_mlx (never anything else)")
-    a("--save-every", type=int, help=_HELP["save_every"])
-    a("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    a("--max-memory", help=_HELP["max_memory"])
-    a("--force", action="store_true", help=_HELP["force"])
-    for old, new in _DEPRECATED_FLAGS.items():
-        kind = {"action": "append"} if old == "--scaling-param" else {}
-        a(old, dest=f"deprecated{old.replace('-', '_')}", help=argparse.SUPPRESS, **kind)
+    p.add_argument("--config", help="YAML file with any of these settings as keys (flag names with - or _, or "
+                                    "mlx-lm's keys); flags given on the command line win")
+    run_folder_fields = [f for f in fields(Invocation) if f.metadata.get("flags")]
+    for f in fields(RunSettings):
+        _add_flags(p, f)
+        if f.name == "output":
+            for g in run_folder_fields:
+                _add_flags(p, g)
+    for old, (f, new) in _deprecated_flags().items():
+        p.add_argument(old, dest=_deprecated_dest(old), help=argparse.SUPPRESS,
+                       **{k: v for k, v in new.argparse.items() if k == "action"})
     return p
 
 
 def _from_flags(namespace: argparse.Namespace) -> dict:
     """{setting: value} of the flags given; deprecated flags mapped with a warning."""
     values = dict(vars(namespace))
-    for old, new in _DEPRECATED_FLAGS.items():
-        key = f"deprecated{old.replace('-', '_')}"
-        if key in values:
-            print(f"warning: {old} is deprecated; use {new}", file=sys.stderr)
-            values[new.lstrip("-").replace("-", "_").replace("schedule_param", "schedule_params")] = values.pop(key)
+    for old, (f, new) in _deprecated_flags().items():
+        if _deprecated_dest(old) in values:
+            print(f"warning: {old} is deprecated; use {new.option}", file=sys.stderr)
+            values[f.name] = values.pop(_deprecated_dest(old))
     if "schedule_params" in values:
         values["schedule_params"] = dict(parse_param(item) for item in values["schedule_params"])
     return values
@@ -261,16 +309,34 @@ def parse_param(text: str) -> tuple[str, object]:
 
 # ----------------------------------------------------------------------------------------- the YAML file
 
-#: YAML keys that name a setting differently: flag spellings, deprecated names, and mlx-lm's keys.
-_KEY_ALIASES = {
-    "method": "sampler", "scaling": "schedule", "scaling_param": "schedule_params", "scaling_params": "schedule_params",
-    "schedule_param": "schedule_params",
-    "iters": "steps", "learning_rate": "lr", "max_seq_length": "window", "num_layers": "lora_layers",
-    "grad_accumulation_steps": "grad_accum", "steps_per_eval": "eval_every", "val_batches": "eval_batches",
-}
-_NEGATED = {"no_fuse": "fuse", "no_compile": "compile", "no_progress": "progress", "lora": "full"}
-_DEPRECATED_KEYS = {"method": "sampler", "scaling": "schedule", "scaling_param": "schedule_param",
-                    "scaling_params": "schedule_params"}
+
+@dataclass(frozen=True)
+class _Name:
+    """What a YAML (or run.json) key names: the setting (a field of `RunSettings`), whether the value is negated
+    (`no_fuse: true` sets fuse false), and for a deprecated key the name that replaces it."""
+
+    setting: Field
+    negated: bool = False
+    replaced_by: str | None = None
+
+
+def _names() -> dict:
+    """{key: _Name} of every key a setting is known by: its name, its flags' names (with `_` for `-`), its
+    aliases (mlx-lm's names) and its deprecated names."""
+    names = {}
+    for f in fields(RunSettings):
+        names[f.name] = _Name(f)
+        for flag in flags_of(f):
+            names[_key(flag.option)] = _Name(f, negated=flag.sets is False)
+        names.update((alias, _Name(f)) for alias in f.metadata["aliases"])
+        for old in f.metadata["deprecated"]:
+            new = _key(flags_of(f)[0].option) if old.startswith("--") else f.name
+            names[_key(old)] = _Name(f, replaced_by=new)
+    return names
+
+
+#: mlx-lm's keys whose values are structures (read by `_yaml_entry`), and the run-folder switches of `Invocation`.
+_STRUCTURED_KEYS = ("lora_parameters", "fine_tune_type", "resume", "overwrite")
 
 
 class _Loader:
@@ -303,16 +369,18 @@ def read_yaml(path) -> dict:
         return {}
     if not isinstance(data, dict):
         raise UserError(f"--config {path} must hold a mapping of setting names to values")
+    names = _names()
     out = {}
     for key, value in data.items():
-        out.update(_yaml_entry(path, str(key), value))
+        out.update(_yaml_entry(path, str(key), value, names))
     return out
 
 
-def _yaml_entry(path, key: str, value) -> dict:
+def _yaml_entry(path, key: str, value, names: dict) -> dict:
     name = key.replace("-", "_")
-    if name in _DEPRECATED_KEYS:
-        print(f"warning: --config {path}: '{key}' is deprecated; use '{_DEPRECATED_KEYS[name]}'", file=sys.stderr)
+    known = names.get(name)
+    if known is not None and known.replaced_by:
+        print(f"warning: --config {path}: '{key}' is deprecated; use '{known.replaced_by}'", file=sys.stderr)
     if name == "train":  # mlx-lm's switch: this command always trains unless --sampler none
         _check_type(path, key, value, bool)
         return {}
@@ -336,31 +404,24 @@ def _yaml_entry(path, key: str, value) -> dict:
             else:
                 raise UserError(f"--config {path}: unknown key lora_parameters.{sub} (known: rank, scale, dropout)")
         return out
-    if name in _NEGATED:
-        return {_NEGATED[name]: not _check_type(path, key, value, bool)}
-    if name == "align_rows" and isinstance(value, bool):  # YAML 1.1 reads on/off as booleans
-        value = "on" if value else "off"
     if name in ("resume", "overwrite"):  # what to do with an existing run folder: strictly a YAML boolean
         return {name: _check_type(path, key, value, bool)}
-    name = _KEY_ALIASES.get(name, name)
-    kinds = {f.name: f.type for f in fields(RunSettings)}
-    if name not in kinds:
-        known = sorted(set(kinds) | set(_KEY_ALIASES) | set(_NEGATED) |
-                       {"lora_parameters", "fine_tune_type", "resume", "overwrite"})
-        close = difflib.get_close_matches(name, known, n=1)
+    if known is None:
+        close = difflib.get_close_matches(name, sorted(set(names) | set(_STRUCTURED_KEYS)), n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
         raise UserError(f"--config {path}: unknown key {key!r}{hint}")
-    if name == "schedule_params":
+    f = known.setting
+    if known.negated:
+        return {f.name: not _check_type(path, key, value, bool)}
+    if f.name == "align_rows" and isinstance(value, bool):  # YAML 1.1 reads on/off as booleans
+        value = "on" if value else "off"
+    if f.name == "schedule_params":
         if isinstance(value, list):
             value = dict(parse_param(item) for item in value)
         if not isinstance(value, dict):
             raise UserError(f"--config {path}: {key} must be a mapping such as {{beta_fast: 32}}")
-        return {name: value}
-    return {name: _check_type(path, key, value, _python_type(kinds[name]))}
-
-
-def _python_type(annotation: str):
-    return {"int": int, "float": float, "bool": bool, "str": str}[annotation.split(" |")[0]]
+        return {f.name: value}
+    return {f.name: _check_type(path, key, value, kind_of(f))}
 
 
 def _check_type(path, key: str, value, kind):
@@ -387,15 +448,14 @@ def parse_invocation(argv=None) -> Invocation:
     given = _from_flags(parser.parse_args(argv))
     config = given.pop("config", None)
     from_yaml = read_yaml(config) if config else {}
-    resume = bool(given.pop("resume", from_yaml.pop("resume", False) or False))
-    overwrite = bool(given.pop("overwrite", from_yaml.pop("overwrite", False) or False))
-    from_yaml.pop("resume", None), from_yaml.pop("overwrite", None)
+    resume = bool(given.pop("resume", from_yaml.pop("resume", False)))
+    overwrite = bool(given.pop("overwrite", from_yaml.pop("overwrite", False)))
     if resume and overwrite:
         raise UserError("--resume and --overwrite exclude each other")
     if resume:
         settings = _resume_settings({**from_yaml, **given})
     else:
-        settings = RunSettings(**{**from_yaml, **{k: v for k, v in given.items()}})
+        settings = RunSettings(**{**from_yaml, **given})
     settings = _with_none_as_default(settings)
     validate(settings)
     return Invocation(settings, resume, overwrite, frozenset(from_yaml) | frozenset(given))
@@ -452,16 +512,15 @@ def load_run_file(path: Path) -> RunSettings:
     values = record.get("settings", record) if isinstance(record, dict) else None
     if not isinstance(values, dict):
         raise UserError(f"--resume: {path} does not hold a run's settings; start over with --overwrite")
-    known = {f.name for f in fields(RunSettings)}
+    names = _names()
     out = {}
     for key, value in values.items():
-        key = _KEY_ALIASES.get(key, key)
-        if key == "schedule_params" and isinstance(value, list):
+        if key not in names:
+            continue
+        name = names[key]
+        if name.setting.name == "schedule_params" and isinstance(value, list):
             value = dict(parse_param(item) for item in value)
-        if key in ("no_fuse", "no_compile"):
-            key, value = _NEGATED[key], not value
-        if key in known:
-            out[key] = value
+        out[name.setting.name] = not value if name.negated else value
     try:
         return RunSettings(**out)
     except TypeError as error:
@@ -486,42 +545,18 @@ def saved_world_size(folder: Path) -> int:
         raise UserError(f"--resume: {Path(folder) / RUN_FILE} is damaged; start over with --overwrite") from None
 
 
-#: setting -> (smallest allowed, largest allowed, bounds exclusive?)
-_BOUNDS = {
-    "steps": (1, 10**9), "batch_size": (1, 1 << 16), "grad_accum": (1, 1 << 16), "warmup": (0, 10**9),
-    "save_every": (0, 10**9), "eval_every": (0, 10**9), "eval_batches": (1, 1 << 20), "chunks": (1, 1 << 24),
-    "lora_rank": (1, 1 << 16), "window": (2, 1 << 24), "min_length": (1, 1 << 31), "original": (2, 1 << 24),
-    "seed": (0, 2**32 - 1),
-}
-
-
 def validate(s: RunSettings) -> None:
-    """Every check that needs no model: types, ranges, names. UserError naming the flag."""
-    for name, (low, high) in _BOUNDS.items():
-        value = getattr(s, name)
-        if value is not None and not low <= value <= high:
-            raise UserError(f"--{name.replace('_', '-')} must be between {low} and {high}, got {value}")
-    for name in ("lr", "max_grad_norm", "lora_scale"):
-        value = getattr(s, name)
-        if not (math.isfinite(value) and value > 0):
-            raise UserError(f"--{name.replace('_', '-')} must be a finite number > 0, got {value}")
-    if s.lora_layers == 0 or s.lora_layers < -1:
-        raise UserError(f"--lora-layers must be >= 1, or -1 for all blocks; got {s.lora_layers}")
-    if not 0 < s.heldout < 1:
-        raise UserError(f"--heldout must be between 0 and 1 (a fraction of the documents), got {s.heldout}")
+    """Every check that needs no model: each setting's declared rule (its range or its choices), then the checks
+    that involve several settings or a parser. UserError naming the flag."""
+    for f in fields(RunSettings):
+        rule, value = f.metadata["rule"], getattr(s, f.name)
+        if rule is not None and value is not None and not rule.holds(value):
+            raise UserError(rule.message.format(flag=flags_of(f)[0].option, value=value))
     if not s.model:
         raise UserError("--model is required (a folder, a .gguf file, a hub id or an alias)")
-    if s.sampler not in RUN_SAMPLERS:
-        raise UserError(f"--sampler {s.sampler!r} is not one of {', '.join(RUN_SAMPLERS)}")
-    if s.content not in CONTENT:
-        raise UserError(f"--content {s.content!r} is not one of {', '.join(CONTENT)}")
-    if not 0 <= s.short_share < 1:
-        raise UserError(f"--short-share must be a fraction in [0, 1), got {s.short_share!r}")
     if s.short_share and s.sampler in ("full", "plain", "none"):
         raise UserError(f"--short-share mixes short rows into a sampler that skips positions; --sampler "
                         f"{s.sampler} has none to mix with")
-    if s.align_rows not in ALIGN_ROWS:
-        raise UserError(f"--align-rows {s.align_rows!r} is not one of {', '.join(ALIGN_ROWS)}")
     if s.schedule not in SCHEDULES:
         close = difflib.get_close_matches(s.schedule, SCHEDULES, n=1)
         raise UserError(f"--schedule {s.schedule!r} is not a known schedule"
@@ -540,6 +575,6 @@ def validate(s: RunSettings) -> None:
         raise UserError(f"--schedule-param: {error}") from None
 
 
-__all__ = ["ADJUSTABLE", "ALIGN_ROWS", "Invocation", "RUN_FILE", "RUN_SAMPLERS", "RunSettings", "build_parser", "load_run_file",
-           "parse_invocation", "parse_param", "read_yaml", "run_folder", "save_run_file", "saved_world_size",
-           "validate"]
+__all__ = ["ADJUSTABLE", "ALIGN_ROWS", "Flag", "Invocation", "RUN_FILE", "RUN_SAMPLERS", "Rule", "RunSettings",
+           "build_parser", "flags_of", "load_run_file", "parse_invocation", "parse_param", "read_yaml", "run_folder",
+           "save_run_file", "saved_world_size", "setting", "validate"]

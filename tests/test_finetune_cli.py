@@ -347,3 +347,46 @@ def test_header_then_progress_then_summary(tiny_model, text_dir, tmp_path, capsy
     assert lines[2].startswith("predicted peak memory ") and lines[2].endswith(f"output {out}")
     summary = captured.err.strip().splitlines()[-1]
     assert summary.startswith("trained 4 steps") and summary.endswith(f"wrote {out}")
+
+
+@pytest.mark.parametrize("flag, low, high", [  # the ranges the project documents for these flags
+    ("--steps", 1, 10**9), ("--seed", 0, 2**32 - 1), ("--window", 2, 1 << 24), ("--chunks", 1, 1 << 24),
+    ("--eval-batches", 1, 1 << 20), ("--save-every", 0, 10**9)])
+def test_each_range_is_enforced_from_the_flag_and_the_yaml_key(flag, low, high, tmp_path):
+    """A setting is declared once: its range holds, with the same one-line message, whether the value comes from
+    the flag or from the YAML file; the ends of the range are accepted."""
+    from pose_mlx.errors import UserError
+    from pose_mlx.settings import parse_invocation
+
+    key = flag.lstrip("-").replace("-", "_")
+    for value in (low, high):
+        assert getattr(parse_invocation(["--model", "m", flag, str(value)]).settings, key) == value
+    for value in (low - 1, high + 1):
+        config = tmp_path / "run.yaml"
+        config.write_text(f"{key}: {value}\n")
+        messages = []
+        for argv in ([flag, str(value)], ["--config", str(config)]):
+            with pytest.raises(UserError) as error:
+                parse_invocation(["--model", "m", *argv])
+            messages.append(str(error.value))
+        assert messages[0] == messages[1] == f"{flag} must be between {low} and {high}, got {value}"
+
+
+def test_every_setting_has_a_flag_in_help_and_a_yaml_key(capsys, tmp_path):
+    """Each field of RunSettings can be set from the command line (its flags are in --help) and from YAML under
+    its own name, with the same result as its default."""
+    from dataclasses import fields
+
+    import yaml
+
+    from pose_mlx.settings import RunSettings, flags_of, read_yaml
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    defaults = RunSettings()
+    for f in fields(RunSettings):
+        assert all(flag.option in out for flag in flags_of(f)), f.name
+        value = getattr(defaults, f.name)
+        (tmp_path / "one.yaml").write_text(yaml.safe_dump({f.name: value}))
+        assert read_yaml(tmp_path / "one.yaml") == {f.name: value}, f.name

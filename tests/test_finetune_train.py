@@ -87,11 +87,17 @@ def test_masked_loss_matches_numpy():
     assert abs(got.item() - expected) < 1e-5
 
 
-def test_train_config_rejects_bad_values():
-    with pytest.raises(ValueError, match="steps"):
+def test_bad_training_values_are_refused_as_settings():
+    """The one validation path: the run's settings refuse them with a UserError naming the flag; TrainConfig,
+    built from validated settings, only asserts its contract."""
+    from pose_mlx.settings import RunSettings, validate
+
+    for flag, changes in (("--steps", {"steps": 0}), ("--lr", {"lr": 0.0}), ("--warmup", {"warmup": -1}),
+                          ("--grad-accum", {"grad_accum": 0}), ("--save-every", {"save_every": -1})):
+        with pytest.raises(UserError, match=f"^{flag} must be"):
+            validate(RunSettings(model="m", **changes))
+    with pytest.raises(AssertionError):
         TrainConfig(steps=0)
-    with pytest.raises(ValueError, match="lr"):
-        TrainConfig(lr=0.0)
 
 
 def test_checkpoint_roundtrip_restores_weights_and_optimizer(tmp_path):

@@ -76,6 +76,9 @@ class Interrupted(RuntimeError):
 
 @dataclass
 class TrainConfig:
+    """The loop's settings, taken from a run's validated settings (`pose_mlx.settings.validate` refuses bad values
+    with a UserError naming the flag) or from the simulator's own; the contract is asserted."""
+
     steps: int = 1000
     lr: float = 2e-5
     warmup: int = 10
@@ -88,14 +91,9 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self):
-        for name in ("steps", "grad_accum"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup", "save_every", "eval_every"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be positive, got {self.lr}")
+        assert self.steps >= 1 and self.grad_accum >= 1, self
+        assert min(self.warmup, self.save_every, self.eval_every) >= 0, self
+        assert self.lr > 0, self
 
 
 def learning_rate_schedule(lr: float, warmup: int, steps: int) -> Callable:
