@@ -21,6 +21,7 @@ Every run of the protocol is evaluated with the project's own commands and the S
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import shutil
@@ -45,11 +46,13 @@ def train_name(name: str, spec: dict) -> str:
     return "adapt" if spec["role"] == "control" else name
 
 
+@functools.cache
 def device() -> str:
-    """MLX's default device and the machine, for each evaluation's record."""
+    """MLX's default device and the machine, for each evaluation's record (asked once, in a fresh process, before
+    any evaluation runs: asked later, beside evaluations that hold the GPU's memory, the answer can fail)."""
     out = subprocess.run([sys.executable, "-c", "import pose_mlx, mlx.core as mx; print(mx.default_device())"],
-                         capture_output=True, text=True).stdout.strip()
-    return f"{out or 'unknown'} on {platform.machine()} ({platform.node()})"
+                         capture_output=True, text=True, check=True).stdout.strip()
+    return f"{out} on {platform.machine()} ({platform.node()})"
 
 
 def ensure_trained(name: str, spec: dict, protocol: dict, gguf: Path, work: Path, train: Path) -> Path:
@@ -183,24 +186,30 @@ def evaluate(name: str, kind: str, length: int, protocol: dict, gguf: Path, work
 def run_all(tasks: list[tuple], fn, jobs: int, label: int = 3) -> int:
     """`fn(*task)` for every task, `jobs` at a time (each evaluation or fine-tuning is its own process, so several
     share one GPU); prints each result, labelled by the task's first `label` items, in the tasks' order. A failed
-    task is reported and the rest go on; returns the number that failed."""
-    failed = 0
+    task is reported and the rest go on; with `jobs` > 1 the failed ones are tried once more, one at a time, after
+    the others (on a GPU, a run beside others can fail for want of memory it has alone). Returns the number of
+    tasks that failed in the end."""
+    def attempt(task, call) -> bool:
+        name = " ".join(map(str, task[:label]))
+        try:
+            print(f"{name}: {call()}", flush=True)
+            return True
+        except BaseException as e:  # noqa: BLE001 - a failed run (its SystemExit) must not stop the rest
+            print(f"{name}: FAILED: {e}", flush=True)
+            return False
+
     with ThreadPoolExecutor(max(1, jobs)) as pool:
-        for task, future in [(t, pool.submit(fn, *t)) for t in tasks]:
-            name = " ".join(map(str, task[:label]))
-            try:
-                print(f"{name}: {future.result()}", flush=True)
-            except BaseException as e:  # noqa: BLE001 - a failed run (its SystemExit) must not stop the rest
-                failed += 1
-                print(f"{name}: FAILED: {e}", flush=True)
-    return failed
+        failed = [t for t, future in [(t, pool.submit(fn, *t)) for t in tasks] if not attempt(t, future.result)]
+    if jobs > 1:
+        failed = [t for t in failed if not attempt(t, lambda t=t: fn(*t))]
+    return len(failed)
 
 
 def screening_numbers(protocol: dict) -> dict:
     """{candidate or "none": {"passkey": {length: accuracy}, "ppl_unseen": ..., "ppl": ...}} of the screening
     evaluations done so far."""
     out = {}
-    for path in sorted(SCREEN.glob("*.json")):
+    for path in sorted(p for p in SCREEN.glob("*.json") if ".partial" not in p.name):
         name, kind, length = path.name.removesuffix(".json").rsplit(".", 2)
         record = json.loads(path.read_text())
         entry = out.setdefault(name, {})
@@ -246,7 +255,7 @@ def collect(protocol: dict) -> dict:
     runs = {}
     for name, spec in protocol["runs"].items():
         entry = {"role": spec["role"]}
-        for path in sorted(EVAL.glob(f"{name}.*.json")):
+        for path in sorted(p for p in EVAL.glob(f"{name}.*.json") if ".partial" not in p.name):
             kind, length = path.name.removeprefix(f"{name}.").removesuffix(".json").rsplit(".", 1)
             record = json.loads(path.read_text())
             entry.setdefault("devices", {})[f"{kind}.{length}"] = record.get("device")
@@ -341,12 +350,37 @@ def write_report(protocol: dict, runs: dict, tests: list[dict], head: str) -> Pa
         lines += ["", f"The unseen-domain goal is read as registered, both ways (\"within 3%\"): {head} is "
                   f"{1 - own2 / base2:.1%} *below* the base there, which no reading counts as a regression, but the "
                   "rule as written is not met and stays so."]
+    lines += screening_section(protocol)
     devices = sorted({d for r in runs.values() for d in r.get("devices", {}).values() if d})
     lines += ["", "Devices that gave these numbers: " + ("; ".join(devices) or "none yet") + "."]
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text("\n".join(lines) + "\n")
     plot_passkey(runs, lengths, protocol["original"], out / "passkey.png")
     return out / "report.md"
+
+
+def screening_section(protocol: dict) -> list[str]:
+    """The recipe screening's table (its own trials, seed `recipe.screening.passkey_seed`) as far as it has run."""
+    numbers = screening_numbers(protocol)
+    if not numbers:
+        return []
+    lengths = sorted(protocol["recipe"]["screening"]["passkey_trials"])
+    base = numbers.get("none", {}).get("ppl_unseen")
+    winner = select_recipe(protocol, numbers, base) if base else None
+    lines = ["", "## Recipe screening (its own trials; never pooled with the table above)", "",
+             f"Selection rule: {protocol['recipe']['selection']}", "",
+             "| candidate | " + " | ".join(f"passkey {n}" for n in lengths) +
+             " | ppl 2k, unseen domain (vs the base's) | ppl 32k |", "|---|" + "---|" * (len(lengths) + 2)]
+    for name in protocol["recipe"]["candidates"]:
+        r = numbers.get(name, {})
+        pk = [f"{r['passkey'][n]:.2f}" if n in r.get("passkey", {}) else "-" for n in lengths]
+        unseen = r.get("ppl_unseen")
+        shown = "-" if unseen is None else f"{unseen:.2f}" + (f" ({unseen / base - 1:+.1%})" if base else "")
+        ppl = r.get("ppl")
+        lines.append(f"| {name} | " + " | ".join(pk) + f" | {shown} | {'-' if ppl is None else f'{ppl:.2f}'} |")
+    lines += ["", f"The base's unseen-domain perplexity on the screening's device: "
+              f"{'-' if base is None else f'{base:.2f}'}. Winner: {winner or 'not decided yet (candidates unmeasured)'}."]
+    return lines
 
 
 def plot_passkey(runs: dict, lengths: list[int], original: int, path: Path) -> None:
@@ -406,6 +440,8 @@ def main(argv=None) -> int:
     protocol = load_protocol(args.protocol)
     gguf = model_file()
     train, test = corpus(args.work, 4, args.docs)
+    if args.stage != "report":
+        print(f"device: {device()}", flush=True)
     if args.stage == "screen":
         winner = screen(protocol, gguf, args.work, train, test, args.jobs)
         print(f"screening winner: {winner or 'not decided yet'}", flush=True)
