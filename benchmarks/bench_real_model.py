@@ -6,8 +6,9 @@ Every stage goes through the project's own commands (`pose_mlx.finetune`, `pose_
 JSON in `benchmarks/results/real_model/eval/` (small, committed, so the benchmark can go on in another session),
 the corpus, token cache, exported models and logs under `--work`. A rerun skips what is done; `--only RUN` and
 `--stage finetune|eval|ruler|report` run it in parts (`--stage plots` only redraws the PNGs from results.json).
-Results: `benchmarks/results/real_model/` (results.json, report.md, plots, and the PoSE runs' LoRA adapters with
-their config, enough to rebuild those models from the GGUF file:
+Results: `benchmarks/results/real_model/` (results.json, report.md, plots, and each PoSE run's LoRA config; the
+adapter weights of the lr 1e-4 runs are in git history only (commit 6400f95), those of the lr 3e-5 run in
+`real_model_lr3e-5/adapters/`: enough to rebuild a model from the GGUF file with
 `python -m pose_mlx.convert SmolLM2-135M-Instruct.Q4_1.gguf M && cp adapters/pose-yarn/* M/`). The short-context
 regression's question set runs separately (`benchmarks/short_qa.py`); the report collects it.
 
