@@ -53,7 +53,7 @@ def float32_weights(monkeypatch):
     load_gguf computes in the file's 16-bit precision and keeps quantized weights (see `_compute_dtype`); that
     choice is tested on its own (`test_gpu_loads_in_the_files_precision_within_its_rounding`), and the real
     SmolLM2 file (loaded once per session, outside this fixture) runs on it."""
-    monkeypatch.setattr(pg, "_default_device_is_cpu", lambda: True)
+    monkeypatch.setattr("pose_mlx.model.gguf.load._default_device_is_cpu", lambda: True)
 
 
 def ids_for(config, seed=1, length=24):
@@ -182,7 +182,7 @@ def test_gpu_loads_in_the_files_precision_within_its_rounding(tmp_path, bpe, qty
     float32 bound does not cover."""
     from _precision import logit_tolerance
 
-    monkeypatch.setattr(pg, "_default_device_is_cpu", lambda: False)
+    monkeypatch.setattr("pose_mlx.model.gguf.load._default_device_is_cpu", lambda: False)
     config = H.model_config(bpe[0].get_vocab_size(), tied=qtype in (Q.Q4_0, Q.BF16))
     reference = H.write_gguf(tmp_path / "m.gguf", config, H.random_weights(config, seed=3), bpe[1],
                              types=lambda name: qtype)

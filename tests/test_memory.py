@@ -375,7 +375,7 @@ def test_gguf_weights_as_the_loader_holds_them(tmp_path, monkeypatch, gpu):
     path = tmp_path / "m.gguf"
     _tiny_gguf(path, kinds)
     if gpu:  # load as on a GPU (the arrays are only built, not computed with)
-        monkeypatch.setattr(gguf, "_default_device_is_cpu", lambda: False)
+        monkeypatch.setattr("pose_mlx.model.gguf.load._default_device_is_cpu", lambda: False)
     model, _, config = gguf.load_gguf(path)
     _, nbytes = array_sizes(model)
     arch = memory.loaded_architecture(source.read_config(source.resolve(str(path))), source.resolve(str(path)),
