@@ -58,6 +58,7 @@ def run(args) -> Path:
     from .model.source import load
     from .model.patch import extend, reschedule, use_positions
     from .plan import make_plan
+    from .training.lora import weights_writer
     from .training.stage import fine_tune
 
     plan = make_plan(args)
@@ -73,7 +74,7 @@ def run(args) -> Path:
         else:
             extension = extend(model, s.schedule, plan.original, plan.target, **s.schedule_params)
             summary = fine_tune(model, tokenizer, plan, use_positions)
-        output = export_run(model, extension, plan, summary)
+        output = export_run(model, extension, plan, summary, weights_writer(plan.lora, s.fuse))
     except BaseException:
         plan.release(failed=True)
         raise

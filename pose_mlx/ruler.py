@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -35,6 +34,7 @@ import numpy as np
 
 from . import errors, longctx
 from .errors import UserError
+from .files import write_atomic
 from .places import check_output
 from .resumable import RecordLog
 from .ruler_tasks import DEPTH_MODES, TASKS, PromptBuilder, PromptTooShort, parse_tasks
@@ -228,16 +228,6 @@ def record_json(run: RulerRun, info: longctx.EvalModel, args, threshold: float, 
     }
 
 
-def _replace_into(path: Path, write) -> None:
-    """write(tmp) then rename over `path`: a reader never sees a half-written file."""
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.partial{path.suffix}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def write_outputs(out: Path, record: dict, run: RulerRun) -> Path:
     """The JSON at `out` and the task x length heatmap at <stem>_heatmap.png; returns the PNG's path."""
     from .plots import heatmap
@@ -246,10 +236,10 @@ def write_outputs(out: Path, record: dict, run: RulerRun) -> Path:
     grid = np.array([[run.score(t, n) for n in run.lengths] for t in run.tasks]
                     + [[run.averages()[n] for n in run.lengths]])
     png = out.with_name(out.stem + "_heatmap.png")
-    _replace_into(png, lambda p: heatmap(p, grid, run.tasks + ["average"], [str(n) for n in run.lengths],
-                                         "context length (tokens)", "task", "RULER score by task and length",
-                                         missing="no samples (the task does not fit)"))
-    _replace_into(out, lambda p: p.write_text(json.dumps(record, indent=2) + "\n"))
+    write_atomic(png, lambda p: heatmap(p, grid, run.tasks + ["average"], [str(n) for n in run.lengths],
+                                       "context length (tokens)", "task", "RULER score by task and length",
+                                       missing="no samples (the task does not fit)"))
+    write_atomic(out, json.dumps(record, indent=2) + "\n")
     return png
 
 

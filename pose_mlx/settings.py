@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import ArgumentParser, UserError
+from .files import write_atomic
 from .places import check_output
 from .training.positions import CONTENT
 from .rope import SCHEDULES, scaled_inv_freq, schedule_parameters
@@ -530,10 +531,7 @@ def load_run_file(path: Path) -> RunSettings:
 def save_run_file(settings: RunSettings, folder: Path, world_size: int) -> Path:
     path = Path(folder) / RUN_FILE
     record = {"settings": settings.to_json(), "world_size": world_size}
-    tmp = path.with_name(f".{RUN_FILE}.tmp")
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    tmp.replace(path)
-    return path
+    return write_atomic(path, json.dumps(record, indent=1) + "\n")
 
 
 def saved_world_size(folder: Path) -> int:

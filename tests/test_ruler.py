@@ -384,7 +384,7 @@ def test_cli_writes_json_heatmap_and_table(tiny, tmp_path, capsys, monkeypatch):
     assert {"task", "length", "prompt_tokens", "depths", "needle_tokens", "references", "output", "score"} <= set(first)
     assert "| niah_single_1 | 0.00 | 0.00 |" in captured.out and "| vt |" in captured.out
     assert "effective length: none" in captured.out
-    assert not list(tmp_path.glob(".*partial*")) and not list(tmp_path.glob("*.partial.jsonl"))
+    assert not list(tmp_path.glob(".*")) and not list(tmp_path.glob("*.partial.jsonl"))  # no temporary file left
 
 
 def test_interrupted_run_takes_up_its_finished_samples(tiny, tmp_path, capsys, monkeypatch):

@@ -2,7 +2,8 @@
 `Extension` record that `pose_mlx.extend` made (layer by layer; nothing is recomputed).
 
 The folder holds model*.safetensors, the tokenizer files, `pose_mlx.json` (the exact schedule plus run metadata)
-and a config.json in which plain `mlx_lm.load` (and transformers) rebuild the same scaled RoPE:
+and a config.json in which plain `mlx_lm.load` (and transformers) rebuild the same scaled RoPE (scale factor
+s = target / original):
 
 - none / ntk / abf: every layer's frequencies are a geometric ladder inv_freq_i = b'^(-2i/d), so the config key
   the layer's base came from (`rope_theta`; Gemma-3's local layers: `rope_local_base_freq`) gets b'
@@ -25,17 +26,17 @@ renamed into place at the end.
 from __future__ import annotations
 
 import math
-import os
 import shutil
 import sys
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..training.lora import LoraSpec, fuse_lora, lora_modules, save_unfused
+from ..files import replace_dir, sibling
 from .source import build_model
 from .patch import Extension, find_rope_modules, save_extension
 
@@ -52,7 +53,7 @@ def _base_of_ladder(inv_freq: list) -> float:
 
 def candidate_configs(ext: Extension, config: dict) -> list[dict]:
     """Configs (the source config rewritten) that may make mlx-lm rebuild `ext`, most specific first."""
-    s, orig, p = float(ext.factor), int(ext.original), ext.params
+    scale, orig, p = float(ext.factor), int(ext.original), ext.params
     global_layers = [l for l in ext.layers if l.config_key in (None, "rope_theta")] or ext.layers
     first = global_layers[0]
 
@@ -72,29 +73,29 @@ def candidate_configs(ext: Extension, config: dict) -> list[dict]:
         bases = {l.config_key: _base_of_ladder(l.inv_freq) for l in ext.layers if l.config_key}
         return [with_rope(_base_of_ladder(first.inv_freq), None, bases)]
     if schedule == "dynamic":
-        return [with_rope(scaling={"rope_type": "dynamic", "factor": s})]
+        return [with_rope(scaling={"rope_type": "dynamic", "factor": scale})]
     candidates = []
     if schedule == "linear":
-        candidates.append(with_rope(scaling={"rope_type": "linear", "factor": s}))
+        candidates.append(with_rope(scaling={"rope_type": "linear", "factor": scale}))
     elif schedule == "yarn":
-        mscale = (first.attention_factor - 1.0) / (0.1 * math.log(s)) if s > 1 else 1.0
+        mscale = (first.attention_factor - 1.0) / (0.1 * math.log(scale)) if scale > 1 else 1.0
         candidates.append(with_rope(scaling={
-            "rope_type": "yarn", "factor": s, "original_max_position_embeddings": orig,
+            "rope_type": "yarn", "factor": scale, "original_max_position_embeddings": orig,
             "beta_fast": float(p.get("beta_fast", 32.0)), "beta_slow": float(p.get("beta_slow", 1.0)),
             "mscale": float(mscale), "mscale_all_dim": 0.0}))
     elif schedule == "llama3":
         candidates.append(with_rope(scaling={
-            "rope_type": "llama3", "factor": s, "original_max_position_embeddings": orig,
+            "rope_type": "llama3", "factor": scale, "original_max_position_embeddings": orig,
             "low_freq_factor": float(p.get("low_freq_factor", 1.0)),
             "high_freq_factor": float(p.get("high_freq_factor", 4.0))}))
     factors = first.factors
     for original in (orig, int(ext.target)):  # mlx-lm's own attention factor, or none (O = M)
         candidates.append(with_rope(scaling={
-            "rope_type": "longrope", "factor": s, "original_max_position_embeddings": original,
+            "rope_type": "longrope", "factor": scale, "original_max_position_embeddings": original,
             "long_factor": factors, "short_factor": factors,
             **({"attention_factor": 1.0} if original == ext.target else {})}))
     if schedule not in ("longrope", "dprope"):  # PI first among the fallbacks
-        candidates.append(with_rope(scaling={"rope_type": "linear", "factor": s}))
+        candidates.append(with_rope(scaling={"rope_type": "linear", "factor": scale}))
     return candidates
 
 
@@ -155,17 +156,17 @@ def copy_tokenizer_files(source: Path, folder: Path) -> None:
                 shutil.copyfile(path, folder / path.name)
 
 
-def export_model(model: nn.Module, config: dict, tokenizer_source: Path, output: Path, *, fuse: bool = True,
-                 lora: LoraSpec | None = None, record: dict | None = None, extra_files: dict | None = None,
-                 overwrite: bool = False) -> dict:
+def export_model(model: nn.Module, config: dict, tokenizer_source: Path, output: Path, *,
+                 save_weights: Callable[[nn.Module, Path], object] | None = None, record: dict | None = None,
+                 extra_files: dict | None = None, overwrite: bool = False) -> dict:
     """Write the extended `model` to `output` as an mlx-lm folder; returns {"mlx_lm_exact", "rope_theta",
     "rope_scaling"}.
 
-    `config` is the source config.json dict, `tokenizer_source` a folder holding the tokenizer files, `lora`
-    the adapters' settings when the model carries LoRA layers, `record` extra fields for pose_mlx.json,
-    `extra_files` {name: path} copied in (logs). With `fuse=False` LoRA stays separate (load with
-    `mlx_lm.load(output, adapter_path=output)`). An existing `output` is replaced only with `overwrite=True`;
-    nothing appears at `output` until the folder is complete.
+    `config` is the source config.json dict, `tokenizer_source` a folder holding the tokenizer files,
+    `save_weights(model, folder)` what writes the weights into the folder (default: mlx-lm's `save_model`, the
+    model as it is; a fine-tuning run passes how its LoRA layers are written: fused, or apart as adapters),
+    `record` extra fields for pose_mlx.json, `extra_files` {name: path} copied in (logs). An existing `output` is
+    replaced only with `overwrite=True`; nothing appears at `output` until the folder is complete.
     """
     output = Path(output)
     if output.exists() and not overwrite:
@@ -173,27 +174,23 @@ def export_model(model: nn.Module, config: dict, tokenizer_source: Path, output:
     if getattr(model, "pose_extension", None) is None:
         raise ValueError("model was not extended with pose_mlx.extend; nothing to export")
     output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.parent / f".{output.name}.export-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = sibling(output, "export")
     tmp.mkdir()
     try:
         new_config, exact = export_config(model, config)
         from mlx_lm.utils import save_config, save_model
 
-        if lora_modules(model) and not fuse:
-            if lora is None:
-                raise ValueError("fuse=False needs the LoRA settings (lora=...)")
-            save_unfused(model, tmp, lora)
-        else:
-            fuse_lora(model)
+        if save_weights is None:
             save_model(tmp, model)
+        else:
+            save_weights(model, tmp)
         save_config(new_config, tmp / "config.json")
         copy_tokenizer_files(Path(tokenizer_source), tmp)
         save_extension(model, tmp, mlx_lm_exact=exact, **(record or {}))
         for name, path in (extra_files or {}).items():
             if Path(path).is_file():
                 shutil.copyfile(path, tmp / name)
-        _replace_dir(tmp, output)
+        replace_dir(tmp, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -201,29 +198,18 @@ def export_model(model: nn.Module, config: dict, tokenizer_source: Path, output:
             "rope_scaling": new_config.get("rope_scaling")}
 
 
-def _replace_dir(src: Path, dst: Path) -> None:
-    """Move the finished folder `src` to `dst`, replacing an existing `dst` only after `src` is complete."""
-    if dst.exists():
-        old = dst.parent / f".{dst.name}.old-{os.getpid()}"
-        os.replace(dst, old)
-        os.replace(src, dst)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(src, dst)
-
-
-
-
-
-def export_run(model: nn.Module, extension: Extension, plan, summary: dict) -> Path:
-    """The export stage of a run (`plan` a `pose_mlx.plan.RunPlan`, `summary` the training stage's): rank 0 writes
-    the output folder (config from `extension`, pose_mlx.json with the run's record, the training log), removes
-    the run folder, and prints one summary line. Returns the output folder."""
-    s = plan.settings
+def export_run(model: nn.Module, extension: Extension, plan, summary: dict,
+               save_weights: Callable[[nn.Module, Path], object] | None = None) -> Path:
+    """The export stage of a run (`plan` a `pose_mlx.plan.RunPlan`, `summary` the training stage's,
+    `save_weights` as in `export_model`): rank 0 writes the output folder (config from `extension`, pose_mlx.json
+    with the run's record, the training log), removes the run folder, and prints one summary line. Returns the
+    output folder."""
+    settings = plan.settings
     if not plan.world.is_main:
         return plan.output
-    record = {"sampler": s.sampler, "original": plan.original, "target": plan.target, "window": plan.window,
-              "chunks": s.chunks, "content": s.content, "short_share": s.short_share, "source_model": s.model,
+    record = {"sampler": settings.sampler, "original": plan.original, "target": plan.target,
+              "window": plan.window, "chunks": settings.chunks, "content": settings.content,
+              "short_share": settings.short_share, "source_model": settings.model,
               **{k: summary.get(k) for k in ("steps", "final_loss", "eval_loss", "data_fingerprint",
                                              "tokens_per_step", "training", "lr", "seed")}}
     record["steps"] = record["steps"] or 0
@@ -236,8 +222,8 @@ def export_run(model: nn.Module, extension: Extension, plan, summary: dict) -> P
         write_tokenizer(plan.model.path, tokenizer_source)
         # the file's precision and block types, not those of the weights written here
         config = {k: v for k, v in config.items() if k not in ("torch_dtype", "gguf_quantization")}
-    info = export_model(model, config, tokenizer_source, plan.output, fuse=s.fuse, lora=plan.lora,
-                        record=record, extra_files=logs, overwrite=plan.overwrite or plan.resume)
+    info = export_model(model, config, tokenizer_source, plan.output, save_weights=save_weights, record=record,
+                        extra_files=logs, overwrite=plan.overwrite or plan.resume)
     shutil.rmtree(plan.partial, ignore_errors=True)
     if not info["mlx_lm_exact"]:
         print(f"warning: mlx-lm cannot express the '{extension.schedule}' schedule exactly; load {plan.output} with "

@@ -23,6 +23,7 @@ from .pretrain import made_with, pretrain, reuse_base
 from .report import plots, write_report
 from .stages import Stages
 from ..errors import Stopped, UserError, command
+from ..files import replace_dir
 from ..training.data import required_length
 from ..training.loop import Interrupted
 
@@ -206,8 +207,7 @@ def main(argv=None) -> int:
             if isinstance(error, ValueError):  # --corpus empty, too few or too short documents
                 raise UserError(error) from None
             raise
-        shutil.rmtree(data, ignore_errors=True)  # a corpus without corpus.json: left by a killed run
-        building.replace(data)
+        replace_dir(building, data)  # over a corpus without corpus.json: left by a killed run
 
     stages.run("corpus", lambda: (data / "corpus.json").is_file(), do_corpus)
     tokenizer = corpus_mod._hf_tokenizer(data / "tokenizer")

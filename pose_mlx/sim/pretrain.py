@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import toy
+from ..files import replace_dir
 from ..training.data import ExampleStream, TokenizedCorpus, tokenize_corpus
 from .corpus import write_jsonl
 from .retrieval import retrieval_documents
@@ -109,7 +110,7 @@ def reuse_base(source: Path, folder: Path, wanted: dict, name: str | None = None
     shutil.copytree(source, temp)
     copied = {**json.loads(record.read_text()), "reused_from": name or str(source)}
     (temp / "pretrain.json").write_text(json.dumps(copied, indent=1) + "\n")
-    temp.rename(folder)
+    replace_dir(temp, folder)
     return None
 
 
@@ -171,6 +172,6 @@ def pretrain(folder: Path, tokenizer_dir: Path, train_dir: Path, val_dir: Path, 
     toy.save_model_folder(model, config, tokenizer_dir, temp)
     (temp / "pretrain.json").write_text(json.dumps(record, indent=1) + "\n")
     shutil.copyfile(partial / "log.jsonl", temp / "train_log.jsonl")
-    temp.rename(folder)
+    replace_dir(temp, folder)
     shutil.rmtree(partial, ignore_errors=True)
     return record

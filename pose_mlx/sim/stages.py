@@ -8,11 +8,12 @@ parts still knows what it cost from scratch: `recorded()` sums every stage once,
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Callable
+
+from ..files import write_atomic
 
 
 def _duration(seconds: float) -> str:
@@ -62,9 +63,7 @@ class Stages:
         spent = time.perf_counter() - t0
         self.times[name] = spent
         if self.record is not None:
-            tmp = self.record.with_name(self.record.name + ".tmp")
-            tmp.write_text(json.dumps(self.times, indent=1) + "\n")
-            os.replace(tmp, self.record)
+            write_atomic(self.record, json.dumps(self.times, indent=1) + "\n")
         self.done.add(name)
         self.seconds += spent
         self.work += self.weights[name]

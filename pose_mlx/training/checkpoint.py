@@ -7,7 +7,7 @@ Layout of a checkpoint folder::
     state.json                    {"step", "data", "metrics", "files", "sha256"} - written last
     previous.json                 the record of the checkpoint before it (its files are kept too)
 
-Every file is written to a temporary name and moved into place with `os.replace` (atomic on POSIX), and
+Every file is written whole (`pose_mlx.files.write_atomic`: a temporary name renamed into place), and
 `state.json`, which names the files of the step it describes and their SHA-256, is replaced last. A process
 killed at any moment therefore leaves either the previous complete checkpoint or the new one, never a mixture.
 On load every file's checksum is verified: a damaged file is a `UserError` that names it (and tells how to fall
@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import UserError
+from ..files import write_atomic
 
 STATE_FILE = "state.json"
 PREVIOUS_FILE = "previous.json"
@@ -34,22 +34,10 @@ class NonFiniteWeights(RuntimeError):
     """A trainable parameter holds NaN or inf: it must not be checkpointed or exported."""
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _atomic_save_safetensors(path: Path, arrays: dict) -> str:
     """Write `arrays` to `path` atomically; returns the file's SHA-256."""
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.safetensors")
-    mx.save_safetensors(str(tmp), arrays)
-    digest = sha256(tmp)
-    os.replace(tmp, path)
-    return digest
+    write_atomic(path, lambda tmp: mx.save_safetensors(str(tmp), arrays))
+    return sha256(path)
 
 
 def sha256(path: Path) -> str:
@@ -84,9 +72,9 @@ def save_checkpoint(folder, step: int, model, optimizer, data_state: dict, metri
                                                             dict(tree_flatten(optimizer.state)))}
     previous = read_state(folder, verify=False)
     if previous is not None and previous["step"] != step:
-        _atomic_write_text(folder / PREVIOUS_FILE, json.dumps(previous, indent=1))
+        write_atomic(folder / PREVIOUS_FILE, json.dumps(previous, indent=1))
     record = {"step": int(step), "data": data_state, "metrics": metrics or {}, "files": names, "sha256": digests}
-    _atomic_write_text(folder / STATE_FILE, json.dumps(record, indent=1, default=_json_default))
+    write_atomic(folder / STATE_FILE, json.dumps(record, indent=1, default=_json_default))
     keep = set(names.values()) | set((previous or {}).get("files", {}).values())
     for old in folder.glob("*-*.safetensors"):
         if old.name not in keep:

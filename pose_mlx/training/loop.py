@@ -46,6 +46,7 @@ from mlx.utils import tree_map
 from .checkpoint import NonFiniteWeights, load_checkpoint, read_state, save_checkpoint
 from .distributed import SINGLE, World
 from ..errors import UserError
+from ..files import write_atomic
 
 
 class NonFinite(UserError):
@@ -301,9 +302,7 @@ def truncate_log(path: Path, step: int) -> None:
     if not path.exists():
         return
     kept = [r for r in read_log(path) if isinstance(r, dict) and r.get("step", 0) <= step]
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-    tmp.replace(path)
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
 
 
 class UpdateResult(NamedTuple):

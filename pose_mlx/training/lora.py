@@ -1,5 +1,6 @@
 """LoRA adapters in mlx-lm's format: add them (`add_lora`), fold them into the weights (`fuse_lora`), or save
-them beside the untouched base weights (`save_unfused`, loadable with `mlx_lm.load(folder, adapter_path=folder)`).
+them beside the untouched base weights (`save_unfused`, loadable with `mlx_lm.load(folder, adapter_path=folder)`);
+`weights_writer` picks one of the two for an export.
 
 A LoRA layer computes W x + scale * B A x (rank r; A random, B zero at the start), so before training the model
 is unchanged; fusing writes W + scale * B A (re-quantized for a quantized base, as `mlx_lm fuse` does).
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -66,4 +68,20 @@ def save_unfused(model: nn.Module, folder: Path, spec: LoraSpec) -> None:
     (folder / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2) + "\n")
 
 
-__all__ = ["LoraSpec", "add_lora", "fuse_lora", "lora_modules", "save_unfused"]
+def weights_writer(spec: LoraSpec | None, fuse: bool) -> Callable[[nn.Module, Path], None]:
+    """How an export writes the trained model's weights into a folder (`pose_mlx.model.export.export_model`'s
+    `save_weights`): LoRA folded in (`fuse_lora`, then mlx-lm's `save_model`), or, for LoRA with `fuse` false,
+    the base weights and the adapters apart (`save_unfused`). Without LoRA (`spec` None) the model as it is."""
+    from mlx_lm.utils import save_model
+
+    if spec is not None and not fuse:
+        return lambda model, folder: save_unfused(model, folder, spec)
+
+    def fused(model: nn.Module, folder: Path) -> None:
+        fuse_lora(model)
+        save_model(folder, model)
+
+    return fused
+
+
+__all__ = ["LoraSpec", "add_lora", "fuse_lora", "lora_modules", "save_unfused", "weights_writer"]
