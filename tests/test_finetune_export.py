@@ -48,9 +48,9 @@ def _extended(tiny_model, schedule, params):
     return model
 
 
-def _export(model, tiny_model, out):
+def _export(model, tiny_model, out, **options):
     config = json.loads((tiny_model / "config.json").read_text())
-    return export_model(model, config, tiny_model, out, record={"steps": 0})
+    return export_model(model, config, tiny_model, out, record={"steps": 0}, **options)
 
 
 @pytest.mark.parametrize("name", sorted(EXACT))
@@ -95,9 +95,12 @@ def test_inexpressible_schedules_load_with_pose_mlx(tiny_model, tmp_path, name):
 
 
 def test_fused_lora_export_matches_in_memory(tiny_model, tmp_path):
-    """LoRA with non-zero B is folded into the weights: mlx_lm.load(output) == the LoRA model in memory."""
+    """LoRA with non-zero B is folded into the weights (the training side's writer, handed to the export):
+    mlx_lm.load(output) == the LoRA model in memory."""
     from mlx_lm.tuner.utils import linear_to_lora_layers
     from mlx.utils import tree_flatten
+
+    from pose_mlx.training.lora import LoraSpec, weights_writer
 
     model = _extended(tiny_model, "linear", {})
     model.freeze()
@@ -108,7 +111,7 @@ def test_fused_lora_export_matches_in_memory(tiny_model, tmp_path):
     assert lora_b
     model.load_weights(lora_b, strict=False)
     expected = _logits(model)
-    _export(model, tiny_model, tmp_path / "out")
+    _export(model, tiny_model, tmp_path / "out", save_weights=weights_writer(LoraSpec(4, 2.0, 2), fuse=True))
     loaded, _ = load(str(tmp_path / "out"))
     base, _ = load(str(tiny_model))
     assert np.abs(_logits(base) - expected).max() > 1e-3  # the adapters matter
