@@ -32,11 +32,19 @@ class UserError(Exception):
 
 class Stopped(Exception):
     """Work stopped by a signal after saving its state (a checkpoint); rerunning resumes it. One line on stderr,
-    exit code 128 + `signum`, like a shell's."""
+    exit code 128 + `signum`, like a shell's. Work shared by several processes (data-parallel ranks) says it on
+    one of them (`announce` False on the others), and `settle()` holds each process's exit until that line is out
+    (an outside launcher ends the whole group as soon as one process exits with an error)."""
+
+    announce = True
 
     def __init__(self, signum: int, message: str):
         super().__init__(message)
         self.signum = signum
+
+    def settle(self) -> None:
+        """Called by `command` after the line is printed, before the exit code is returned: nothing to wait for
+        in one process."""
 
 
 def one_line(message: object) -> str:
@@ -95,7 +103,9 @@ def command(prog: str) -> Callable:
                 _report(prog, f"{error.strerror}: {error.filename}" if error.filename else error.strerror)
                 return EXIT_USER_ERROR
             except Stopped as stop:
-                _report(prog, stop, kind="stopped")
+                if stop.announce:
+                    _report(prog, stop, kind="stopped")
+                stop.settle()
                 return 128 + stop.signum
             except KeyboardInterrupt:
                 _report(prog, "interrupted", kind="stopped")

@@ -54,6 +54,8 @@ def header(plan) -> str:
 def run(args) -> Path:
     """Carry out the run whose validated settings are `args` (a `pose_mlx.settings.Invocation`); returns the
     output folder."""
+    import warnings
+
     from .model.export import export_run
     from .model.source import load
     from .model.patch import extend, reschedule, use_positions
@@ -61,6 +63,7 @@ def run(args) -> Path:
     from .training.lora import weights_writer
     from .training.stage import fine_tune
 
+    warnings.filterwarnings("ignore", message=".*already applies a RoPE scaling")  # the plan says it in one line
     plan = make_plan(args)
     if plan.world.is_main:  # on stdout: stderr keeps its one line for bad input found later (data, disk)
         print(header(plan), flush=True)
@@ -83,31 +86,13 @@ def run(args) -> Path:
 
 
 @command("pose_mlx.finetune")
-def _main(argv=None) -> int:
-    import warnings
-
+def main(argv=None) -> int:
+    """CLI entry point; returns the exit code (0 ok, 2 bad input, 128 + the signal's number when Ctrl-C or
+    SIGTERM stopped training after a checkpoint: `pose_mlx.training.loop.Interrupted`, an `errors.Stopped`)."""
     from .settings import parse_invocation
 
-    warnings.filterwarnings("ignore", message=".*already applies a RoPE scaling")  # the plan says it in one line
     run(parse_invocation(argv))
     return 0
-
-
-def main(argv=None) -> int:
-    """CLI entry point; returns the exit code (0 ok, 2 bad input or a failed run, 130/143 interrupted)."""
-    from .training.loop import Interrupted
-
-    try:
-        return _main(argv)
-    except Interrupted as exc:
-        if exc.world.is_main:  # rank 0 saved the checkpoint and reports for the group
-            try:
-                print(f"stopped: {exc}", file=sys.stderr, flush=True)
-            except OSError:  # stderr was a pipe to an mlx.launch stopped by the same Ctrl-C
-                pass
-        # mlx.launch terminates every rank once one exits with an error: the others wait for rank 0's report
-        exc.world.barrier()
-        return 128 + exc.signum
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ from mlx.utils import tree_map
 
 from .checkpoint import NonFiniteWeights, load_checkpoint, read_state, save_checkpoint
 from .distributed import SINGLE, World
-from ..errors import UserError
+from ..errors import Stopped, UserError
 from ..files import write_atomic
 
 
@@ -64,15 +64,19 @@ class Collapsed(UserError):
     """Training destroyed the model (finite weights, but no better than chance or blind to its input)."""
 
 
-class Interrupted(RuntimeError):
-    """Training stopped by a signal after saving a checkpoint at `step`; raised on every rank of `world`."""
+class Interrupted(Stopped):
+    """Training stopped by a signal after saving a checkpoint at `step`; raised on every rank of `world`. Rank 0
+    (which saved the checkpoint) announces it; every rank waits for the others before exiting."""
 
     def __init__(self, signum: int, step: int, world: World = SINGLE):
-        super().__init__(f"interrupted by {signal.Signals(signum).name}; checkpoint saved at step {step}, "
-                         "continue with --resume")
-        self.signum = signum
+        super().__init__(signum, f"interrupted by {signal.Signals(signum).name}; checkpoint saved at step {step}, "
+                                 "continue with --resume")
         self.step = step
         self.world = world
+        self.announce = world.is_main
+
+    def settle(self) -> None:
+        self.world.barrier()
 
 
 @dataclass
