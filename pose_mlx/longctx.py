@@ -20,7 +20,7 @@ import os
 import resource
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -260,19 +260,39 @@ def run_cost(started: float) -> dict:
 # ---------------------------------------------------------------------------------------------------- CLI
 
 
+@dataclass(kw_only=True)
+class EvalSettings:
+    """The settings every evaluation command shares; field names are the flags' (`eval_parser`), defaults the
+    flags' defaults. Each command's settings extend it and are what its `run(settings)` takes."""
+
+    model: str
+    schedule: str | None = None
+    target: str | None = None
+    original: int | None = None
+    chunk: int = DEFAULT_CHUNK
+    force: bool = False
+    no_progress: bool = False
+
+
+def settings_defaults(settings: type) -> dict:
+    """{field: default} of a settings dataclass, for `ArgumentParser.set_defaults`: the flags' defaults are the
+    dataclass's, declared once."""
+    return {f.name: f.default for f in fields(settings) if f.default is not MISSING}
+
+
 def eval_parser(prog: str, description: str) -> ArgumentParser:
-    """The evaluators' shared flags: --model, --schedule (--scaling), --target, --original, --chunk, --force,
-    --no-progress."""
+    """The evaluators' shared flags (`EvalSettings`): --model, --schedule (--scaling), --target, --original,
+    --chunk, --force, --no-progress; each command sets the defaults from its settings (`settings_defaults`)."""
     parser = ArgumentParser(prog=prog, description=description)
     parser.add_argument("--model", required=True, help="model folder (e.g. written by pose_mlx.finetune), .gguf "
                                                        "file, Hugging Face hub id, or an alias of pose_mlx.finetune")
-    parser.add_argument("--schedule", "--scaling", dest="schedule", default=None,
+    parser.add_argument("--schedule", "--scaling", dest="schedule",
                         help="extend a raw model with this RoPE schedule before evaluating (default with --target: "
                              "linear = Position Interpolation), no training")
-    parser.add_argument("--target", default=None, help="target window for --schedule: 32768, 32k or 8x")
-    parser.add_argument("--original", type=int, default=None,
+    parser.add_argument("--target", help="target window for --schedule: 32768, 32k or 8x")
+    parser.add_argument("--original", type=int,
                         help="the model's pre-training window (default: from pose_mlx.json or config.json)")
-    parser.add_argument("--chunk", type=int, default=DEFAULT_CHUNK,
+    parser.add_argument("--chunk", type=int,
                         help=f"tokens per prefill chunk (memory ~ chunk x length; default {DEFAULT_CHUNK})")
     parser.add_argument("--force", action="store_true", help="run even when the memory estimate exceeds the RAM")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
@@ -300,7 +320,7 @@ def default_output(kind: str, info: EvalModel, given: str | None) -> Path:
 
 
 __all__ = [
-    "DEFAULT_CHUNK", "EvalModel", "bos_id", "check_chunk", "check_memory", "chunked_logits",
+    "DEFAULT_CHUNK", "EvalModel", "EvalSettings", "bos_id", "check_chunk", "check_memory", "chunked_logits",
     "chunked_nll", "default_output", "encode", "eval_parser", "load_eval_model",
-    "prefill", "resolve_lengths",
+    "prefill", "resolve_lengths", "settings_defaults",
 ]

@@ -225,25 +225,42 @@ def format_table(accuracy: list[dict]) -> str:
     return "\n".join(lines)
 
 
+@dataclass(kw_only=True)
+class PasskeySettings(longctx.EvalSettings):
+    """What `python -m pose_mlx.passkey` is asked (the flags' names and defaults); `run` checks it."""
+
+    lengths: str | None = None  # the length grammar: 2k,4k,8192 or 1x,2x of the original window
+    trials: int = 50
+    depths: int | None = None
+    seed: int = 0
+    output: str | None = None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = longctx.eval_parser("python -m pose_mlx.passkey", __doc__.split("\n")[0])
-    parser.add_argument("--lengths", default=None, help="prompt lengths, e.g. 2k,4k,8192 or 1x,2x,4x of the original "
-                                                        "window (default: doubling from half the original window to "
-                                                        "the model's maximum)")
-    parser.add_argument("--trials", type=int, default=50, help="trials per length (default 50)")
-    parser.add_argument("--depths", type=int, default=None,
+    parser.add_argument("--lengths", help="prompt lengths, e.g. 2k,4k,8192 or 1x,2x,4x of the original window "
+                                           "(default: doubling from half the original window to the model's maximum)")
+    parser.add_argument("--trials", type=int, help="trials per length (default 50)")
+    parser.add_argument("--depths", type=int,
                         help="put the needle on a grid of this many depths in [0, 1] (default: uniform random)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the keys and random depths (default 0)")
-    parser.add_argument("--output", default=None,
+    parser.add_argument("--seed", type=int, help="seed of the keys and random depths (default 0)")
+    parser.add_argument("--output",
                         help="write JSON results here (and <stem>_accuracy.png, <stem>_heatmap.png next to it; "
                              "default passkey-<model name>.json)")
+    parser.set_defaults(**longctx.settings_defaults(PasskeySettings))
     return parser
 
 
 @command("pose_mlx.passkey")
 def main(argv=None) -> int:
+    run(PasskeySettings(**vars(build_parser().parse_args(argv))))
+    return 0
+
+
+def run(args: PasskeySettings) -> list[dict]:
+    """The command: check `args` (UserError naming the flag), load the model, run the trials (resuming those
+    an interrupted run logged), print the table, write the JSON and PNGs; returns the accuracy by length."""
     started = time.perf_counter()
-    args = build_parser().parse_args(argv)
     longctx.check_chunk(args.chunk)
     if args.output:
         check_output("--output", args.output)
@@ -299,7 +316,7 @@ def main(argv=None) -> int:
                            "context length (tokens)", "needle depth (share of the context)",
                            "Passkey accuracy by depth and length")
         print(f"wrote {out}, {acc_png} and {heat_png}", file=sys.stderr)
-    return 0
+    return accuracy
 
 
 if __name__ == "__main__":

@@ -133,30 +133,50 @@ def format_table(name: str, results: list[LengthResult]) -> str:
     return "\n".join([head, rule, row, count])
 
 
+@dataclass(kw_only=True)
+class PerplexitySettings(longctx.EvalSettings):
+    """What `python -m pose_mlx.perplexity` is asked (the flags' names and defaults); `run` checks it."""
+
+    data: str
+    lengths: str | None = None  # the length grammar: 2k,4k,8192 or 1x,2x of the original window
+    stride: int = 1024
+    docs: int = 50
+    min_doc_tokens: int | None = None
+    truncate: int | None = None
+    no_truncate: bool = False
+    output: str | None = None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = longctx.eval_parser("python -m pose_mlx.perplexity", __doc__.split("\n")[0])
     parser.add_argument("--data", required=True, help="a text file, a .jsonl file (field 'text'), or a folder of .txt/.md/.py/.jsonl files")
-    parser.add_argument("--lengths", default=None, help="window lengths, e.g. 2k,4k,8192 or 1x,2x,4x of the original "
-                                                        "window (default: doubling from half the original window to "
-                                                        "the model's maximum)")
-    parser.add_argument("--stride", type=int, default=1024, help="tokens between window starts, capped at W-1 (default 1024)")
-    parser.add_argument("--docs", type=int, default=50, help="number of documents to evaluate (default 50)")
-    parser.add_argument("--min-doc-tokens", type=int, default=None,
+    parser.add_argument("--lengths", help="window lengths, e.g. 2k,4k,8192 or 1x,2x,4x of the original window "
+                                           "(default: doubling from half the original window to the model's maximum)")
+    parser.add_argument("--stride", type=int, help="tokens between window starts, capped at W-1 (default 1024)")
+    parser.add_argument("--docs", type=int, help="number of documents to evaluate (default 50)")
+    parser.add_argument("--min-doc-tokens", type=int,
                         help="skip shorter documents (default: the longest length - 1)")
-    parser.add_argument("--truncate", type=int, default=None,
+    parser.add_argument("--truncate", type=int,
                         help="score the first TRUNCATE tokens of each document (at least the longest length - 1; "
                              "default: the longest length - 1, so every length scores the same tokens; give the "
                              "same value to separate runs of different lengths to score the same tokens)")
     parser.add_argument("--no-truncate", action="store_true", help="score whole documents")
-    parser.add_argument("--output", default=None, help="write JSON results here (and a PNG next to it; default "
-                                                       "perplexity-<model name>.json)")
+    parser.add_argument("--output", help="write JSON results here (and a PNG next to it; default "
+                                          "perplexity-<model name>.json)")
+    parser.set_defaults(**longctx.settings_defaults(PerplexitySettings))
     return parser
 
 
 @command("pose_mlx.perplexity")
 def main(argv=None) -> int:
+    run(PerplexitySettings(**vars(build_parser().parse_args(argv))))
+    return 0
+
+
+def run(args: PerplexitySettings) -> list[LengthResult]:
+    """The command: check `args` (UserError naming the flag), load the model, score every length, print the
+    table, write the JSON and PNG; returns the results by length."""
     started = time.perf_counter()
-    args = build_parser().parse_args(argv)
     longctx.check_chunk(args.chunk)
     if args.output:
         check_output("--output", args.output)
@@ -196,7 +216,7 @@ def main(argv=None) -> int:
                              "perplexity (log scale)", "Sliding-window perplexity (token-weighted)", log_y=True,
                              mark=info.original)
         print(f"wrote {out} and {png}", file=sys.stderr)
-    return 0
+    return results
 
 
 if __name__ == "__main__":

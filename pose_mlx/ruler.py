@@ -243,6 +243,22 @@ def write_outputs(out: Path, record: dict, run: RulerRun) -> Path:
     return png
 
 
+@dataclass(kw_only=True)
+class RulerSettings(longctx.EvalSettings):
+    """What `python -m pose_mlx.ruler` is asked (the flags' names and defaults); `run` checks it."""
+
+    lengths: str | None = None  # the length grammar: 4k,8k,16k or 1x,2x of the original window
+    tasks: str = "all"  # "all" or a comma list of task names
+    samples: int = DEFAULT_SAMPLES
+    seed: int = 0
+    depths: str = "spread"
+    haystack: str | None = None
+    threshold: float = DEFAULT_THRESHOLD
+    max_new_tokens: int | None = None
+    no_chat: bool = False
+    output: str | None = None
+
+
 def build_parser() -> argparse.ArgumentParser:
     tasks = "\n".join(f"  {t.name:<16} {MIN_TOKENS[t.name]:>4}  {t.summary}" for t in TASKS.values())
     parser = longctx.eval_parser("python -m pose_mlx.ruler", __doc__.split("\n")[0])
@@ -250,28 +266,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser.epilog = (f"tasks (--tasks; default: all of them), with the shortest length each fits, in SmolLM2's "
                      f"tokens\n(the template and needles alone; other tokenizers differ somewhat):\n{tasks}\n\n"
                      f"effective length: {EFFECTIVE_LENGTH}.")
-    parser.add_argument("--lengths", default=None, help="prompt lengths in the model's tokens, e.g. 4k,8k,16k or "
-                                                        "1x,2x of the original window (default: doubling from half "
-                                                        "the original window to the model's maximum)")
-    parser.add_argument("--tasks", default="all",
-                        help="`all` (default: every task below) or a comma list of task names")
-    parser.add_argument("--samples", type=int, default=DEFAULT_SAMPLES,
-                        help=f"samples per task and length (default {DEFAULT_SAMPLES})")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the generated content (default 0)")
-    parser.add_argument("--depths", choices=DEPTH_MODES, default="spread",
+    parser.add_argument("--lengths", help="prompt lengths in the model's tokens, e.g. 4k,8k,16k or 1x,2x of the "
+                                           "original window (default: doubling from half the original window to "
+                                           "the model's maximum)")
+    parser.add_argument("--tasks", help="`all` (default: every task below) or a comma list of task names")
+    parser.add_argument("--samples", type=int, help=f"samples per task and length (default {DEFAULT_SAMPLES})")
+    parser.add_argument("--seed", type=int, help="seed of the generated content (default 0)")
+    parser.add_argument("--depths", choices=DEPTH_MODES,
                         help="needle depths: spread evenly over the samples (default) or seeded uniform")
-    parser.add_argument("--haystack", default=None,
+    parser.add_argument("--haystack",
                         help="folder of .txt/.md/.rst files for the essay haystack (default: the Python language "
                              "reference shipped with CPython, pydoc_data.topics)")
-    parser.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
+    parser.add_argument("--threshold", type=float,
                         help=f"average score a length needs to count as effective (default {DEFAULT_THRESHOLD}: "
                              "Llama-2-7B at 4k in the RULER paper)")
-    parser.add_argument("--max-new-tokens", type=int, default=None,
+    parser.add_argument("--max-new-tokens", type=int,
                         help="answer budget in tokens for every task (default: 128 needles, 30 vt, 120 cwe, 50 fwe)")
     parser.add_argument("--no-chat", action="store_true",
                         help="plain prompts even when the tokenizer has a chat template")
-    parser.add_argument("--output", default=None,
+    parser.add_argument("--output",
                         help="JSON results (default ruler-<model name>.json here), and <stem>_heatmap.png next to it")
+    parser.set_defaults(**longctx.settings_defaults(RulerSettings))
     return parser
 
 
@@ -310,8 +325,15 @@ def check_lengths(builder: PromptBuilder, tasks: list[str], lengths: list[int]) 
 
 @errors.command("pose_mlx.ruler")
 def main(argv=None) -> int:
+    run(RulerSettings(**vars(build_parser().parse_args(argv))))
+    return 0
+
+
+def run(args: RulerSettings) -> RulerRun:
+    """The command: check `args` (UserError naming the flag), load the model, refuse lengths a task does not
+    fit, answer and score every sample (resuming those an interrupted run logged), print the table, write the
+    JSON and heatmap; returns the run."""
     started = time.perf_counter()
-    args = build_parser().parse_args(argv)
     tasks = _check_arguments(args)
     if args.output:
         check_output("--output", args.output)
@@ -340,22 +362,23 @@ def main(argv=None) -> int:
                           "haystack": args.haystack, "chat": builder.fmt.chat,
                           "max_new_tokens": args.max_new_tokens}, Record)
     with log.resumed("ruler", "samples", args.samples * len(tasks) * len(lengths)) as done:
-        run = run_ruler(info.model, info.tokenizer, lengths, tasks, args.samples, args.seed, chunk=args.chunk,
-                        max_new_tokens=args.max_new_tokens, show_progress=not args.no_progress, builder=builder,
-                        done=done, on_record=log.append)
+        scored = run_ruler(info.model, info.tokenizer, lengths, tasks, args.samples, args.seed, chunk=args.chunk,
+                           max_new_tokens=args.max_new_tokens, show_progress=not args.no_progress, builder=builder,
+                           done=done, on_record=log.append)
     print(f"RULER synthetic tasks, {args.samples} samples per task and length, greedy answers; score = fraction of "
-          f"the references found in the output (case-insensitive), mean over samples ({run.computed_tokens}/"
-          f"{run.prompt_tokens} prompt tokens computed, the rest reused from the KV cache)")
-    print(format_table(run, args.threshold))
-    record = record_json(run, info, args, args.threshold, builder.fmt.chat) | {"cost": longctx.run_cost(started)}
-    png = write_outputs(out, record, run)
+          f"the references found in the output (case-insensitive), mean over samples ({scored.computed_tokens}/"
+          f"{scored.prompt_tokens} prompt tokens computed, the rest reused from the KV cache)")
+    print(format_table(scored, args.threshold))
+    record = record_json(scored, info, args, args.threshold, builder.fmt.chat) | {"cost": longctx.run_cost(started)}
+    png = write_outputs(out, record, scored)
     log.remove()
     print(f"wrote {out} and {png}", file=sys.stderr)
-    return 0
+    return scored
 
 
-__all__ = ["DEFAULT_THRESHOLD", "EFFECTIVE_LENGTH", "MIN_TOKENS", "Record", "RulerRun", "check_lengths",
-           "effective_length", "evaluation_order", "format_table", "main", "match_all", "run_ruler"]
+__all__ = ["DEFAULT_THRESHOLD", "EFFECTIVE_LENGTH", "MIN_TOKENS", "Record", "RulerRun", "RulerSettings",
+           "check_lengths", "effective_length", "evaluation_order", "format_table", "main", "match_all", "run",
+           "run_ruler"]
 
 if __name__ == "__main__":
     sys.exit(main())
