@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import shlex
 import shutil
 import signal
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import SHIPPED_BASE
@@ -17,8 +19,7 @@ from .agreement import agreement, real_results
 from .claims import check_claims, seed_statistics
 from .config import SimConfig, parse_config
 from .grid import (RULER_RUNS, RULER_TASKS, Run, collect, evaluate_passkey, evaluate_perplexity, evaluate_ruler,
-                   finetune_args, grid_runs, load_args, load_schedule, passkey_template_tokens, ruler_lengths,
-                   run_finetune)
+                   finetune_settings, grid_runs, load_schedule, passkey_template_tokens, ruler_lengths, run_finetune)
 from .pretrain import made_with, pretrain, reuse_base
 from .report import plots, write_report
 from .stages import Stages
@@ -82,63 +83,191 @@ def _weights(config: SimConfig, runs: list[Run]) -> dict[str, float]:
     return w
 
 
-def _ruler(stages: Stages, config: SimConfig, folder: Path, stem: Path) -> dict:
+@dataclass
+class Workspace:
+    """One simulator run: its settings, its folders under --out, its stages, and the earlier run's results that
+    --reuse-results takes instead of running them again (`prior`)."""
+
+    config: SimConfig
+    out: Path
+    stages: Stages
+    prior: dict = field(default_factory=dict)
+
+    @property
+    def data(self) -> Path:
+        """The corpus: tokenizer/, train/, val/, test/ and corpus.json."""
+        return self.out / "corpus"
+
+    @property
+    def cache(self) -> Path:
+        return self.out / "cache"
+
+    @property
+    def model(self) -> Path:
+        """The pre-trained base."""
+        return self.out / "pretrained"
+
+    def take(self, stage: str) -> None:
+        """Stage `stage`'s output taken from --reuse-results, with the time the earlier run recorded for it."""
+        self.stages.reuse(stage, self.prior.get("stage_seconds", {}).get(stage), self.config.reuse_results)
+
+
+def _build_corpus(config: SimConfig, out: Path, created: bool) -> None:
+    """The corpus built aside and moved into place: a refused corpus leaves nothing behind (nor --out, when this
+    run `created` it)."""
+    building, data = out / ".corpus.tmp", out / "corpus"
+    shutil.rmtree(building, ignore_errors=True)
+    try:
+        corpus_mod.build_corpus(building, config.corpus, config.corpus_chars, config.test_docs,
+                                config.test_tokens, config.val_fraction, config.vocab, config.seed,
+                                corpus_mod.resolve_prose(config.prose, config.corpus))
+    except BaseException as error:
+        shutil.rmtree(building, ignore_errors=True)
+        if created:  # this run made --out, and nothing is in it yet
+            shutil.rmtree(out, ignore_errors=True)
+        if isinstance(error, ValueError):  # --corpus empty, too few or too short documents
+            raise UserError(error) from None
+        raise
+    replace_dir(building, data)  # over a corpus without corpus.json: left by a killed run
+
+
+def _pretrain(ws: Workspace, made: dict) -> None:
+    """The pre-training stage; a signal stops it after a checkpoint, which the rerun resumes."""
+    c, data = ws.config, ws.data
+    try:
+        pretrain(ws.model, data / "tokenizer", data / "train", data / "val", ws.cache,
+                 retrieval_fraction=c.retrieval_fraction, window=c.window, base=c.base, hidden=c.hidden,
+                 layers=c.layers, heads=c.heads, ffn=c.ffn, steps=c.pretrain_steps, batch=c.pretrain_batch,
+                 lr=c.pretrain_lr, seed=c.seed, made=made)
+    except Interrupted as stop:
+        raise Stopped(stop.signum, f"pre-training stopped by {signal.Signals(stop.signum).name}; checkpoint "
+                                   f"saved at step {stop.step}; rerun the same command to resume") from None
+
+
+def _base_model(ws: Workspace) -> None:
+    """The base at `ws.model`: --pretrained's copy when it was made alike, else pre-trained here."""
+    made = made_with(ws.config.to_dict(), ws.data)
+    if not (ws.model / "pretrain.json").is_file() and ws.config.pretrained != "none":
+        _use_pretrained(ws.config.pretrained, ws.model, made)
+    ws.stages.run("pretrain", lambda: (ws.model / "pretrain.json").is_file(), functools.partial(_pretrain, ws, made))
+
+
+def _measure_gates(ws: Workspace, path: Path) -> None:
+    c = ws.config
+    record = gates.measure(ws.model, ws.data / "train", ws.data / "test", ws.cache, c.window, c.target, c.seed,
+                           ws.out / "eval" / "base.passkey-gate.json")
+    path.write_text(json.dumps(record, indent=1) + "\n")
+
+
+def _gates(ws: Workspace) -> dict:
+    """The base's gates (`pose_mlx.sim.gates`), measured once into gates.json."""
+    path = ws.out / "gates.json"
+    ws.stages.run("gates", path.is_file, functools.partial(_measure_gates, ws, path))
+    return json.loads(path.read_text())
+
+
+def _evaluate(ws: Workspace, run: Run, folder: Path, ppl_json: Path, passkey_json: Path, keys: list[int]) -> None:
+    """Perplexity at every length, and the passkey at `keys` (none: perplexity only), of one trained run."""
+    c = ws.config
+    extend = load_schedule(run, c.factor)
+    evaluate_perplexity(folder, ws.data / "test", c.lengths, c.eval_docs, c.eval_stride, ppl_json, extend)
+    if keys:
+        evaluate_passkey(folder, keys, c.passkey_trials, c.seed, passkey_json, extend)
+
+
+def _train_and_evaluate(ws: Workspace, run: Run, seed: int, data_folders: dict[int, Path],
+                        passkey_lengths: list[int]) -> dict:
+    """`run` with `seed`: fine-tuned, then evaluated (its results.json entry; the cost runs: {"cost": ...}), or
+    taken from --reuse-results."""
+    c, prior = ws.config, ws.prior
+    name = _seed_name(run.name, seed, c)
+    folder = ws.out / "runs" / _seed_name(run.folder, seed, c)
+    timed = prior.get("cost_vs_target", {}).get(run.sampler, {})
+    if run.cost_only and str(run.factor * c.window) in timed:
+        ws.take(f"finetune {folder.name}")
+        return {"cost": timed[str(run.factor * c.window)]}
+    if seed == c.seed and run.name in prior.get("runs", {}):
+        ws.take(f"finetune {folder.name}")
+        ws.take(f"evaluate {name}")
+        return prior["runs"][run.name]
+    if seed != c.seed and run.name in prior.get("ppl", {}):
+        ws.take(f"finetune {folder.name}")
+        ws.take(f"evaluate {name}")
+        k = c.seed_list.index(seed)
+        return {"ppl": {n: row["values"][k] for n, row in prior["ppl"][run.name].items()}}
+    train = ws.data / "train" if run.cost_only else data_folders.get(_example_length(c, run), ws.data / "train")
+    settings = finetune_settings(run, ws.model, train, ws.cache, folder, window=c.window, factor=c.factor,
+                                 steps=c.steps, cost_steps=c.cost_steps, full_batch=c.full_batch, lr=c.lr, seed=seed)
+    ws.stages.run(f"finetune {folder.name}", lambda: (folder / "config.json").is_file(),
+                  functools.partial(run_finetune, settings))
+    if run.cost_only:
+        return collect(run, folder, None, None)
+    ppl_json, passkey_json = ws.out / "eval" / f"{name}.ppl.json", ws.out / "eval" / f"{name}.passkey.json"
+    keys = passkey_lengths if seed == c.seed else []  # extra seeds: perplexity only
+    ws.stages.run(f"evaluate {name}", lambda: ppl_json.is_file() and (not keys or passkey_json.is_file()),
+                  functools.partial(_evaluate, ws, run, folder, ppl_json, passkey_json, keys))
+    return collect(run, folder, ppl_json, passkey_json if keys else None)
+
+
+def _score_ruler(ws: Workspace, folder: Path, outputs: dict[str, Path]) -> None:
+    from mlx_lm.utils import load_tokenizer
+
+    c = ws.config
+    tokenizer = load_tokenizer(folder)
+    for task, output in outputs.items():
+        lengths = ruler_lengths(tokenizer, task, c.lengths, c.ruler_samples, c.seed)
+        if lengths:
+            evaluate_ruler(folder, task, lengths, c.ruler_samples, c.seed, output)
+        else:
+            output.write_text(json.dumps({"results": []}) + "\n")
+
+
+def _ruler(ws: Workspace, name: str) -> dict:
     """RULER's subset on one run: {task: {length: score}} at the lengths each task's template fits."""
+    folder, stem = ws.out / "runs" / name, ws.out / "eval" / f"{name}.ruler"
     outputs = {task: stem.with_name(f"{stem.name}.{task}.json") for task in RULER_TASKS}
-
-    def do_ruler():
-        from mlx_lm.utils import load_tokenizer
-
-        tokenizer = load_tokenizer(folder)
-        for task, output in outputs.items():
-            lengths = ruler_lengths(tokenizer, task, config.lengths, config.ruler_samples, config.seed)
-            if lengths:
-                evaluate_ruler(folder, task, lengths, config.ruler_samples, config.seed, output)
-            else:
-                output.write_text(json.dumps({"results": []}) + "\n")
-
-    stages.run(f"ruler {folder.name}", lambda: all(p.is_file() for p in outputs.values()), do_ruler)
+    ws.stages.run(f"ruler {folder.name}", lambda: all(p.is_file() for p in outputs.values()),
+                  functools.partial(_score_ruler, ws, folder, outputs))
     return {task: {str(r["length"]): r["score"] for r in json.loads(p.read_text())["results"]}
             for task, p in outputs.items()}
 
 
-def _finetune_data(stages: Stages, config: SimConfig, runs: list[Run], out: Path, model: Path,
-                   cache: Path) -> dict[int, Path]:
+def _finetune_data(ws: Workspace, runs: list[Run]) -> dict[int, Path]:
     """{example length: data folder}: the training split plus retrieval documents of that length
     (`pose_mlx.sim.finetune_data`), one folder per example length a grid run needs."""
     from mlx_lm.utils import load_tokenizer
 
-    folders = {}
-    for length in sorted({_example_length(config, r) for r in runs if not r.cost_only} - {None}):
-        folder = folders[length] = out / "finetune-data" / str(length)
-        stages.run(f"finetune data {length}", lambda: (folder / finetune_data.RETRIEVAL_FILE).is_file(),
-                   lambda: finetune_data.build(folder, out / "corpus" / "train", load_tokenizer(model), cache,
-                                               length, config.finetune_retrieval, config.seed))
+    c, folders = ws.config, {}
+    for length in sorted({_example_length(c, r) for r in runs if not r.cost_only} - {None}):
+        folder = folders[length] = ws.out / "finetune-data" / str(length)
+        ws.stages.run(f"finetune data {length}", lambda: (folder / finetune_data.RETRIEVAL_FILE).is_file(),
+                      lambda: finetune_data.build(folder, ws.data / "train", load_tokenizer(ws.model), ws.cache,
+                                                  length, c.finetune_retrieval, c.seed))
     return folders
 
 
-def _position_curves(stages: Stages, config: SimConfig, runs: list[Run], out: Path, model: Path,
-                     cache: Path, prior: dict, take) -> dict:
-    """{run: per-position NLL curve at Lt} (`pose_mlx.sim.position_nll`) of every evaluated run; those in `prior`
-    (--reuse-results) taken from it."""
+def _measure_nll(ws: Workspace, run: Run, output: Path, docs: list) -> None:
+    """One run's per-position NLL curve; `docs`: the test documents, tokenized by the first call."""
+    if not docs:
+        from mlx_lm.utils import load_tokenizer
+
+        docs.extend(gates.test_documents(ws.data / "test", load_tokenizer(ws.model), ws.cache, ws.config.window))
+    position_nll.measure(ws.out / "runs" / run.folder, docs, ws.config.target, nll_bin(ws.config), output,
+                         *load_schedule(run, ws.config.factor))
+
+
+def _position_curves(ws: Workspace, runs: list[Run]) -> dict:
+    """{run: per-position NLL curve at Lt} (`pose_mlx.sim.position_nll`) of every evaluated run; those of the
+    earlier run (--reuse-results) taken from it."""
+    prior = ws.prior.get("nll_by_position", {})
     curves, docs = {}, []
     for run in (r for r in runs if not r.cost_only):
         if run.name in prior:
-            take(f"nll {run.name}")
+            ws.take(f"nll {run.name}")
             curves[run.name] = prior[run.name]
             continue
-        output = out / "eval" / f"{run.name}.nll.json"
-
-        def measure(run=run, output=output):
-            if not docs:
-                from mlx_lm.utils import load_tokenizer
-
-                docs.extend(gates.test_documents(out / "corpus" / "test", load_tokenizer(model), cache,
-                                                 config.window))
-            position_nll.measure(out / "runs" / run.folder, docs, config.target, nll_bin(config), output,
-                                 *load_schedule(run, config.factor))
-
-        stages.run(f"nll {run.name}", output.is_file, measure)
+        output = ws.out / "eval" / f"{run.name}.nll.json"
+        ws.stages.run(f"nll {run.name}", output.is_file, functools.partial(_measure_nll, ws, run, output, docs))
         curves[run.name] = json.loads(output.read_text())
     return curves
 
@@ -156,6 +285,11 @@ def _use_pretrained(pretrained: str, model: Path, made: dict) -> None:
         raise UserError(f"--pretrained {source}: {why_not}")
 
 
+def _base_record(record: dict) -> dict:
+    """The base model's record, whichever way the run got it (pre-trained or copied in)."""
+    return {k: v for k, v in record.items() if k != "reused_from"}
+
+
 def _prior(config: SimConfig, results: dict, out: Path) -> dict:
     """--reuse-results: the earlier run's results.json, checked to have been made with this run's settings on the
     same corpus, base and gates; the passkey heatmaps next to it are copied where this run's evaluations put
@@ -167,11 +301,7 @@ def _prior(config: SimConfig, results: dict, out: Path) -> dict:
                     if k not in ("out", "pretrained") and theirs.get(k) != mine.get(k))
     if differ:
         raise UserError(f"--reuse-results {path}: made with other settings ({', '.join(differ)})")
-
-    def base(record: dict) -> dict:  # the base model, whichever way each run got it
-        return {k: v for k, v in record.items() if k != "reused_from"}
-
-    for key, same in (("corpus", dict), ("pretrain", base), ("gates", dict)):
+    for key, same in (("corpus", dict), ("pretrain", _base_record), ("gates", dict)):
         if same(prior.get(key, {})) != same(results[key]):
             raise UserError(f"--reuse-results {path}: its {key} differs from this run's")
     (out / "eval").mkdir(exist_ok=True)
@@ -182,6 +312,60 @@ def _prior(config: SimConfig, results: dict, out: Path) -> dict:
     return prior
 
 
+def _start_results(ws: Workspace, argv, base_gates: dict, template: int) -> dict:
+    """results.json's settings, corpus, base and gates, and the empty tables the grid fills."""
+    data = ws.data
+    return {"config": ws.config.to_dict(), "argv": shlex.join(sys.argv[1:] if argv is None else argv),
+            "corpus": json.loads((data / "corpus.json").read_text()),
+            "pretrain": json.loads((ws.model / "pretrain.json").read_text()), "passkey_template_tokens": template,
+            "gates": base_gates, "unigram_ppl": base_gates["unigram_ppl"],
+            "no_context_ppl": base_gates["no_context_ppl"],
+            "runs": {}, "cost_vs_target": {"pose": {}, "full": {}}}
+
+
+def _grid(ws: Workspace, runs: list[Run], results: dict, passkey_lengths: list[int]) -> None:
+    """The fine-tuning data, then every run with --seed, the RULER subset, then the other seeds' runs (SEEDED),
+    into `results`."""
+    c = ws.config
+    data_folders = _finetune_data(ws, runs)
+    results["finetune_data"] = {str(n): {"retrieval_documents": sum(1 for line in (
+        f / finetune_data.RETRIEVAL_FILE).read_text().splitlines() if line.strip()), "share": c.finetune_retrieval}
+        for n, f in data_folders.items()}
+    for run in runs:
+        entry = _train_and_evaluate(ws, run, c.seed, data_folders, passkey_lengths)
+        if not run.cost_only:
+            results["runs"][run.name] = entry
+        else:
+            results["cost_vs_target"][run.sampler][str(run.factor * c.window)] = entry["cost"]
+    results["ruler"] = {}
+    for name in (n for n in RULER_RUNS if n in results["runs"]):
+        if name in ws.prior.get("ruler", {}):
+            ws.take(f"ruler {name}")
+            results["ruler"][name] = ws.prior["ruler"][name]
+            continue
+        results["ruler"][name] = _ruler(ws, name)
+    seeded = {run.name: {c.seed: results["runs"][run.name]["ppl"]} for run in runs if run.name in SEEDED}
+    for seed in c.seed_list[1:]:
+        for run in (r for r in runs if r.name in SEEDED):
+            seeded[run.name][seed] = _train_and_evaluate(ws, run, seed, data_folders, passkey_lengths)["ppl"]
+    results["ppl"] = seed_statistics(results["runs"], seeded)
+    results["passkey"] = {name: entry["passkey"] for name, entry in results["runs"].items() if entry["passkey"]}
+
+
+def _record_time(ws: Workspace, results: dict, this_process: float) -> None:
+    """The whole run's cost into `results`: every stage once (as recorded by whichever invocation ran it), plus
+    this invocation's own rest. With --reuse-results, a stage the earlier run timed (the corpus, the gates, ...
+    re-run here to check them) keeps that time, so the whole run's cost is the earlier run's plus what it lacked."""
+    stages = ws.stages
+    stages.times.update({n: t for n, t in ws.prior.get("stage_seconds", {}).items() if n in stages.weights})
+    staged, unrecorded = stages.recorded()
+    results["wall_seconds"] = staged + this_process - stages.seconds
+    results["wall_seconds_this_process"] = this_process
+    results["stage_seconds"] = {n: stages.times[n] for n in stages.weights if n in stages.times}
+    reused = "reused_from" in results["pretrain"]  # a base copied in: its pre-training is no stage of this run
+    results["stages_without_time"] = [n for n in unrecorded if not (reused and n == "pretrain")]
+
+
 @command("pose_mlx.sim")
 def main(argv=None) -> int:
     t0 = time.perf_counter()
@@ -190,146 +374,24 @@ def main(argv=None) -> int:
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     runs = grid_runs(config.factor)
-    stages = Stages(_weights(config, runs), record=out / "stage_seconds.json")
-    data, cache = out / "corpus", out / "cache"
-
-    def do_corpus():  # built aside and moved into place: a refused corpus leaves nothing behind
-        building = out / ".corpus.tmp"
-        shutil.rmtree(building, ignore_errors=True)
-        try:
-            corpus_mod.build_corpus(building, config.corpus, config.corpus_chars, config.test_docs,
-                                    config.test_tokens, config.val_fraction, config.vocab, config.seed,
-                                    corpus_mod.resolve_prose(config.prose, config.corpus))
-        except BaseException as error:
-            shutil.rmtree(building, ignore_errors=True)
-            if created:  # this run made --out, and nothing is in it yet
-                shutil.rmtree(out, ignore_errors=True)
-            if isinstance(error, ValueError):  # --corpus empty, too few or too short documents
-                raise UserError(error) from None
-            raise
-        replace_dir(building, data)  # over a corpus without corpus.json: left by a killed run
-
-    stages.run("corpus", lambda: (data / "corpus.json").is_file(), do_corpus)
-    tokenizer = corpus_mod._hf_tokenizer(data / "tokenizer")
-    model = out / "pretrained"
-
-    made = made_with(config.to_dict(), data)
-    if not (model / "pretrain.json").is_file() and config.pretrained != "none":
-        _use_pretrained(config.pretrained, model, made)
-
-    def do_pretrain():
-        try:
-            pretrain(model, data / "tokenizer", data / "train", data / "val", cache,
-                     retrieval_fraction=config.retrieval_fraction, window=config.window, base=config.base,
-                     hidden=config.hidden, layers=config.layers, heads=config.heads, ffn=config.ffn,
-                     steps=config.pretrain_steps, batch=config.pretrain_batch, lr=config.pretrain_lr,
-                     seed=config.seed, made=made)
-        except Interrupted as stop:
-            raise Stopped(stop.signum, f"pre-training stopped by {signal.Signals(stop.signum).name}; checkpoint "
-                                       f"saved at step {stop.step}; rerun the same command to resume") from None
-
-    stages.run("pretrain", lambda: (model / "pretrain.json").is_file(), do_pretrain)
-    gates_json = out / "gates.json"
-
-    def do_gates():
-        record = gates.measure(model, data / "train", data / "test", cache, config.window, config.target,
-                               config.seed, out / "eval" / "base.passkey-gate.json")
-        gates_json.write_text(json.dumps(record, indent=1) + "\n")
-
-    stages.run("gates", gates_json.is_file, do_gates)
-    base_gates = json.loads(gates_json.read_text())
-
+    ws = Workspace(config, out, Stages(_weights(config, runs), record=out / "stage_seconds.json"))
+    ws.stages.run("corpus", lambda: (ws.data / "corpus.json").is_file(),
+                  functools.partial(_build_corpus, config, out, created))
+    tokenizer = corpus_mod._hf_tokenizer(ws.data / "tokenizer")
+    _base_model(ws)
+    base_gates = _gates(ws)
     template = passkey_template_tokens(tokenizer)
-    passkey_lengths = [n for n in config.lengths if n >= template]
-    results = {"config": config.to_dict(), "argv": shlex.join(sys.argv[1:] if argv is None else argv),
-               "corpus": json.loads((data / "corpus.json").read_text()),
-               "pretrain": json.loads((model / "pretrain.json").read_text()), "passkey_template_tokens": template,
-               "gates": base_gates, "unigram_ppl": base_gates["unigram_ppl"],
-               "no_context_ppl": base_gates["no_context_ppl"],
-               "runs": {}, "cost_vs_target": {"pose": {}, "full": {}}}
-    prior = _prior(config, results, out) if config.reuse_results else {}
-    source = config.reuse_results
-
-    def take(stage: str) -> None:
-        stages.reuse(stage, prior.get("stage_seconds", {}).get(stage), source)
-
-    data_folders = _finetune_data(stages, config, runs, out, model, cache)
-    results["finetune_data"] = {str(n): {"retrieval_documents": sum(1 for line in (
-        f / finetune_data.RETRIEVAL_FILE).read_text().splitlines() if line.strip()), "share": config.finetune_retrieval}
-        for n, f in data_folders.items()}
-
-    def train_and_evaluate(run: Run, seed: int) -> dict:
-        name = _seed_name(run.name, seed, config)
-        folder = out / "runs" / _seed_name(run.folder, seed, config)
-        timed = prior.get("cost_vs_target", {}).get(run.sampler, {})
-        if run.cost_only and str(run.factor * config.window) in timed:
-            take(f"finetune {folder.name}")
-            return {"cost": timed[str(run.factor * config.window)]}
-        if seed == config.seed and run.name in prior.get("runs", {}):
-            take(f"finetune {folder.name}")
-            take(f"evaluate {name}")
-            return prior["runs"][run.name]
-        if seed != config.seed and run.name in prior.get("ppl", {}):
-            take(f"finetune {folder.name}")
-            take(f"evaluate {name}")
-            k = config.seed_list.index(seed)
-            return {"ppl": {n: row["values"][k] for n, row in prior["ppl"][run.name].items()}}
-        train = data / "train" if run.cost_only else data_folders.get(_example_length(config, run), data / "train")
-        args = finetune_args(run, model, train, cache, folder, window=config.window, factor=config.factor,
-                             steps=config.steps, cost_steps=config.cost_steps, full_batch=config.full_batch,
-                             lr=config.lr, seed=seed)
-        stages.run(f"finetune {folder.name}", lambda: (folder / "config.json").is_file(), lambda: run_finetune(args))
-        if run.cost_only:
-            return collect(run, folder, None, None)
-        ppl_json, passkey_json = out / "eval" / f"{name}.ppl.json", out / "eval" / f"{name}.passkey.json"
-        keys = passkey_lengths if seed == config.seed else []  # extra seeds: perplexity only
-
-        def do_eval():
-            extend = load_args(run, config.factor)
-            evaluate_perplexity(folder, data / "test", config.lengths, config.eval_docs, config.eval_stride,
-                                ppl_json, extend)
-            if keys:
-                evaluate_passkey(folder, keys, config.passkey_trials, config.seed, passkey_json, extend)
-
-        stages.run(f"evaluate {name}", lambda: ppl_json.is_file() and (not keys or passkey_json.is_file()), do_eval)
-        return collect(run, folder, ppl_json, passkey_json if keys else None)
-
-    for run in runs:
-        entry = train_and_evaluate(run, config.seed)
-        if not run.cost_only:
-            results["runs"][run.name] = entry
-        else:
-            results["cost_vs_target"][run.sampler][str(run.factor * config.window)] = entry["cost"]
-
-    results["ruler"] = {}
-    for name in (n for n in RULER_RUNS if n in results["runs"]):
-        if name in prior.get("ruler", {}):
-            take(f"ruler {name}")
-            results["ruler"][name] = prior["ruler"][name]
-            continue
-        results["ruler"][name] = _ruler(stages, config, out / "runs" / name, out / "eval" / f"{name}.ruler")
-    seeded = {run.name: {config.seed: results["runs"][run.name]["ppl"]} for run in runs if run.name in SEEDED}
-    for seed in config.seed_list[1:]:
-        for run in (r for r in runs if r.name in SEEDED):
-            seeded[run.name][seed] = train_and_evaluate(run, seed)["ppl"]
-    results["ppl"] = seed_statistics(results["runs"], seeded)
-    results["passkey"] = {name: entry["passkey"] for name, entry in results["runs"].items() if entry["passkey"]}
-    results["nll_by_position"] = _position_curves(stages, config, runs, out, model, cache,
-                                                  prior.get("nll_by_position", {}), take)
+    results = _start_results(ws, argv, base_gates, template)
+    if config.reuse_results:
+        ws.prior = _prior(config, results, out)
+    _grid(ws, runs, results, [n for n in config.lengths if n >= template])
+    results["nll_by_position"] = _position_curves(ws, runs)
     results["claims"] = check_claims(results)
     real = real_results()
     if real is not None:  # the simulator's job: rank the methods as the real model does
         results["sim_agreement"] = agreement(results, real)
     this_process = time.perf_counter() - t0
-    # --reuse-results: a stage the earlier run timed (the corpus, the gates, ... re-run here to check them) keeps
-    # that time, so the whole run's cost is the earlier run's plus what it lacked
-    stages.times.update({n: t for n, t in prior.get("stage_seconds", {}).items() if n in stages.weights})
-    staged, unrecorded = stages.recorded()
-    results["wall_seconds"] = staged + this_process - stages.seconds  # every stage once, plus this run's own rest
-    results["wall_seconds_this_process"] = this_process
-    results["stage_seconds"] = {n: stages.times[n] for n in stages.weights if n in stages.times}
-    reused = "reused_from" in results["pretrain"]  # a base copied in: its pre-training is no stage of this run
-    results["stages_without_time"] = [n for n in unrecorded if not (reused and n == "pretrain")]
+    _record_time(ws, results, this_process)
     pngs = plots(results, out)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     report = write_report(results, out, pngs)

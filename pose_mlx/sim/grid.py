@@ -1,5 +1,6 @@
-"""The grid: every run is one call of `pose_mlx.finetune.main`, every evaluation one call of
-`pose_mlx.perplexity.main` / `pose_mlx.passkey.main` (their JSON outputs are what the report reads).
+"""The grid: every run is one call of `pose_mlx.finetune.run`, every evaluation one call of
+`pose_mlx.perplexity.run` / `pose_mlx.passkey.run` / `pose_mlx.ruler.run`, each with its typed settings (their
+JSON outputs are what the report reads).
 
 Runs train on the same number of tokens: `steps` updates of `full_batch` sequences of Lt tokens (full-length)
 or `full_batch * Lt / Lc` sequences of Lc tokens (every other method). 'Original' and the schedule-only
@@ -21,6 +22,7 @@ from pathlib import Path
 from .. import finetune, passkey, perplexity, ruler
 from ..errors import Stopped, UserError
 from ..ruler_tasks import PromptBuilder
+from ..settings import RUN_FILE, Invocation, RunSettings, parse_param, run_folder
 
 #: RULER's subset run by the simulator (`pose_mlx.ruler`), and the runs it probes.
 RULER_TASKS = ("niah_single_1", "niah_multikey_1", "vt")
@@ -32,7 +34,7 @@ class Run:
     name: str
     label: str
     sampler: str  # finetune --sampler: none, pose, randpos, full, plain
-    scaling: str = "linear"  # plain: the schedule the evaluators apply at load (trained with none)
+    schedule: str = "linear"  # finetune --schedule; plain: the one the evaluators apply at load (trained with none)
     chunks: int = 2
     content: str = "uniform"
     factor: int | None = None  # None: the simulator's factor
@@ -45,8 +47,8 @@ class Run:
         return "adapt" if self.sampler == "plain" else self.name
 
     def spec(self) -> dict:
-        """results.json's `spec`: the fields, `params` only when set."""
-        return {k: v for k, v in asdict(self).items() if k != "params" or v}
+        """results.json's `spec`: the fields, `params` only when set; the schedule under its key `scaling`."""
+        return {"scaling" if k == "schedule" else k: v for k, v in asdict(self).items() if k != "params" or v}
 
 
 def grid_runs(factor: int) -> list[Run]:
@@ -78,36 +80,32 @@ def grid_runs(factor: int) -> list[Run]:
     return runs
 
 
-def finetune_args(run: Run, model: Path, data: Path, cache: Path, output: Path, *, window: int, factor: int,
-                  steps: int, cost_steps: int, full_batch: int, lr: float, seed: int) -> list[str]:
-    """The `pose_mlx.finetune` command line of `run` (full fine-tuning, no progress bar)."""
+def finetune_settings(run: Run, model: Path, data: Path, cache: Path, output: Path, *, window: int, factor: int,
+                      steps: int, cost_steps: int, full_batch: int, lr: float, seed: int) -> Invocation:
+    """The `pose_mlx.finetune` run of `run` (full fine-tuning, no progress bar); it resumes an unfinished run
+    folder that holds its run.json and starts over in one that does not."""
     f = run.factor or factor
-    args = ["--model", str(model), "--original", str(window), "--target", f"{f}x",
-            "--schedule", "none" if run.sampler == "plain" else run.scaling, "--sampler", run.sampler,
-            "--output", str(output)]
-    if run.params:
-        args += [a for p in run.params.split(",") for a in ("--schedule-param", p)]
+    params = dict(parse_param(p) for p in run.params.split(",")) if run.params else {}
+    named = dict(model=str(model), original=window, target=f"{f}x", schedule_params=params, sampler=run.sampler,
+                 schedule="none" if run.sampler == "plain" else run.schedule, output=str(output))
     if run.sampler == "none":
-        return args
+        return Invocation(RunSettings(**named))
     batch = full_batch if run.sampler == "full" or run.cost_only else full_batch * f
-    args += ["--full", "--data", str(data), "--cache-dir", str(cache), "--chunks", str(run.chunks),
-             "--content", run.content, "--steps", str(cost_steps if run.cost_only else steps),
-             "--batch-size", str(batch), "--lr", str(lr), "--warmup", str(max(1, steps // 10)),
-             "--seed", str(seed), "--save-every", str(max(1, steps // 5)), "--no-progress"]
-    if (output.with_name(output.name + ".partial") / "run.json").is_file():
-        args.append("--resume")
-    elif output.with_name(output.name + ".partial").exists():
-        args.append("--overwrite")
-    return args
+    settings = RunSettings(**named, full=True, data=str(data), cache_dir=str(cache), chunks=run.chunks,
+                           content=run.content, steps=cost_steps if run.cost_only else steps, batch_size=batch,
+                           lr=lr, warmup=max(1, steps // 10), seed=seed, save_every=max(1, steps // 5),
+                           progress=False)
+    partial = run_folder(output)
+    resume = (partial / RUN_FILE).is_file()
+    return Invocation(settings, resume=resume, overwrite=not resume and partial.exists())
 
 
-def run_finetune(args: list[str]) -> None:
-    code = finetune.main(args)
-    if code >= 128:  # stopped by a signal after saving a checkpoint: finetune_args resumes it next time
-        raise Stopped(code - 128, f"fine-tuning of {args[args.index('--output') + 1]} stopped by a signal; "
-                                  "rerun the same command to resume")
-    if code:
-        raise RuntimeError(f"pose_mlx.finetune {' '.join(args)} failed with exit code {code}")
+def run_finetune(invocation: Invocation) -> None:
+    try:
+        finetune.run(invocation)
+    except Stopped as stop:  # a checkpoint is saved: finetune_settings resumes it next time
+        raise Stopped(stop.signum, f"fine-tuning of {invocation.settings.output} stopped by a signal; rerun the "
+                                   "same command to resume") from None
 
 
 def cost(folder: Path) -> dict | None:
@@ -126,31 +124,29 @@ def cost(folder: Path) -> dict | None:
 def load_schedule(run: Run, factor: int) -> tuple[str | None, str | None]:
     """(schedule, target) that extend `run`'s folder at load: the plain runs' schedule; (None, None) for the
     others, whose folder's pose_mlx.json says it."""
-    return (run.scaling, f"{run.factor or factor}x") if run.sampler == "plain" else (None, None)
+    return (run.schedule, f"{run.factor or factor}x") if run.sampler == "plain" else (None, None)
 
 
-def load_args(run: Run, factor: int) -> list[str]:
-    """`load_schedule` as the evaluators' --schedule / --target flags."""
-    schedule, target = load_schedule(run, factor)
-    return [] if schedule is None else ["--schedule", schedule, "--target", target]
+def _lengths(lengths: list[int]) -> str:
+    return ",".join(map(str, lengths))
 
 
 def evaluate_perplexity(model: Path, test: Path, lengths: list[int], docs: int, stride: int, output: Path,
-                        extend: list[str] = ()) -> None:
-    """Sliding windows `stride` tokens apart (capped at W-1) over whole test documents, every length."""
-    code = perplexity.main(["--model", str(model), "--data", str(test), "--lengths", ",".join(map(str, lengths)),
-                            "--stride", str(stride), "--docs", str(docs), "--min-doc-tokens", str(max(lengths)),
-                            "--no-truncate", "--output", str(output), "--no-progress", *extend])
-    if code:
-        raise RuntimeError(f"pose_mlx.perplexity on {model} failed with exit code {code}")
+                        extend: tuple[str | None, str | None] = (None, None)) -> None:
+    """Sliding windows `stride` tokens apart (capped at W-1) over whole test documents, every length; `extend`:
+    the (schedule, target) of `load_schedule`."""
+    schedule, target = extend
+    perplexity.run(perplexity.PerplexitySettings(
+        model=str(model), data=str(test), lengths=_lengths(lengths), stride=stride, docs=docs,
+        min_doc_tokens=max(lengths), no_truncate=True, output=str(output), no_progress=True, schedule=schedule,
+        target=target))
 
 
 def evaluate_passkey(model: Path, lengths: list[int], trials: int, seed: int, output: Path,
-                     extend: list[str] = ()) -> None:
-    code = passkey.main(["--model", str(model), "--lengths", ",".join(map(str, lengths)), "--trials", str(trials),
-                         "--seed", str(seed), "--output", str(output), "--no-progress", *extend])
-    if code:
-        raise RuntimeError(f"pose_mlx.passkey on {model} failed with exit code {code}")
+                     extend: tuple[str | None, str | None] = (None, None)) -> None:
+    schedule, target = extend
+    passkey.run(passkey.PasskeySettings(model=str(model), lengths=_lengths(lengths), trials=trials, seed=seed,
+                                        output=str(output), no_progress=True, schedule=schedule, target=target))
 
 
 def ruler_lengths(tokenizer, task: str, lengths: list[int], samples: int = 1, seed: int = 0) -> list[int]:
@@ -170,11 +166,8 @@ def ruler_lengths(tokenizer, task: str, lengths: list[int], samples: int = 1, se
 
 
 def evaluate_ruler(model: Path, task: str, lengths: list[int], samples: int, seed: int, output: Path) -> None:
-    code = ruler.main(["--model", str(model), "--lengths", ",".join(map(str, lengths)), "--tasks", task,
-                       "--samples", str(samples), "--seed", str(seed), "--no-chat", "--no-progress",
-                       "--output", str(output)])
-    if code:
-        raise RuntimeError(f"pose_mlx.ruler on {model} failed with exit code {code}")
+    ruler.run(ruler.RulerSettings(model=str(model), lengths=_lengths(lengths), tasks=task, samples=samples,
+                                  seed=seed, no_chat=True, no_progress=True, output=str(output)))
 
 
 def passkey_template_tokens(tokenizer) -> int:
