@@ -22,7 +22,6 @@ a few minutes.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -112,12 +111,14 @@ def _window(model: Path) -> int:
     return window
 
 
-def _finetune_argv(args, model: Path, out: Path, train: Path) -> list[str]:
-    """The flags of step 2, `python -m pose_mlx.finetune`."""
-    return ["--model", str(model), "--target", f"{args.factor}x", "--schedule", args.schedule, "--data", str(train),
-            "--full", "--lr", str(args.lr), "--steps", str(args.steps), "--warmup", str(max(1, args.steps // 10)),
-            "--batch-size", str(args.batch_size), "--save-every", "0", "--cache-dir", str(out / "cache"),
-            "--output", str(out / "pose"), "--overwrite"]
+def _finetune_settings(args, model: Path, out: Path, train: Path):
+    """Step 2, `pose_mlx.finetune`: full PoSE fine-tuning into out/pose, replacing an earlier demo's."""
+    from .settings import Invocation, RunSettings
+
+    return Invocation(RunSettings(model=str(model), target=f"{args.factor}x", schedule=args.schedule, data=str(train),
+                                  full=True, lr=args.lr, steps=args.steps, warmup=max(1, args.steps // 10),
+                                  batch_size=args.batch_size, save_every=0, cache_dir=str(out / "cache"),
+                                  output=str(out / "pose")), overwrite=True)
 
 
 def _check(args) -> None:
@@ -138,10 +139,10 @@ def _check(args) -> None:
 def _check_finetune(args, out: Path, model: Path, window: int) -> None:
     """Step 2's settings validated as finetune will validate them (the schedule's name, the ranges), and the
     target length, before the corpus is written."""
-    from .settings import parse_invocation
+    from .settings import validate
 
     parse_length(f"{args.factor}x", window, "--factor")
-    parse_invocation(_finetune_argv(args, model, out, out / "corpus" / "finetune"))  # the flags share names
+    validate(_finetune_settings(args, model, out, out / "corpus" / "finetune").settings)
 
 
 @command("pose_mlx.demo")
@@ -161,34 +162,28 @@ def main(argv=None) -> int:
     train = finetune_data.build(out / "corpus" / "finetune", train, load_tokenizer(model), out / "cache", window,
                                 args.retrieval, seed=0)
     print(f"[2/4] PoSE fine-tuning of {model} from {window} to {target} tokens ({args.factor}x) -> {out / 'pose'}")
-    code = finetune.main(_finetune_argv(args, model, out, train))
-    if code:
-        return code
+    finetune.run(_finetune_settings(args, model, out, train))
     print("[3/4] sliding-window perplexity on the held-out documents")
     lengths = [window * 2**k for k in range(args.factor.bit_length())]
     runs = run_labels(args.schedule)
-    common = ["--lengths", ",".join(map(str, lengths)), "--no-progress"]
-    extended = ["--model", str(model), "--schedule", args.schedule, "--target", str(target)]
-    models = {"original": ["--model", str(model)], args.schedule: extended, "pose": ["--model", str(out / "pose")]}
+    common = {"lengths": ",".join(map(str, lengths)), "no_progress": True}
+    models = {"original": {"model": str(model)},  # each run's model, and the schedule it is extended with at load
+              args.schedule: {"model": str(model), "schedule": args.schedule, "target": str(target)},
+              "pose": {"model": str(out / "pose")}}
     results = {}
     for key, extra in models.items():
-        path = out / f"ppl-{key}.json"
-        code = perplexity.main(extra + common + ["--data", str(test), "--docs", str(args.test_docs), "--stride",
-                                                 str(window), "--output", str(path)])
-        if code:
-            return code
-        results[runs[key]] = {r["length"]: r["ppl"] for r in json.loads(path.read_text())["results"]}
+        scored = perplexity.run(perplexity.PerplexitySettings(**extra, **common, data=str(test), docs=args.test_docs,
+                                                              stride=window, output=str(out / f"ppl-{key}.json")))
+        results[runs[key]] = {r.length: r.ppl for r in scored}
     print("\nperplexity by evaluation length (lower is better):")
     print(_table(results, lengths))
     print(f"[4/4] passkey retrieval, {args.passkey_trials} trials per length")
     accuracy = {}
-    models["original"] = ["--model", str(model), "--schedule", "none", "--target", str(target)]
+    models["original"] = {"model": str(model), "schedule": "none", "target": str(target)}
     for key, extra in models.items():
-        path = out / f"passkey-{key}.json"
-        code = passkey.main(extra + common + ["--trials", str(args.passkey_trials), "--output", str(path)])
-        if code:
-            return code
-        accuracy[runs[key]] = {a["length"]: a["accuracy"] for a in json.loads(path.read_text())["accuracy"]}
+        found = passkey.run(passkey.PasskeySettings(**extra, **common, trials=args.passkey_trials,
+                                                    output=str(out / f"passkey-{key}.json")))
+        accuracy[runs[key]] = {a["length"]: a["accuracy"] for a in found}
     print("\npasskey accuracy by length ('-': the prompt template does not fit):")
     print(_table(accuracy, lengths))
     png = comparison(out / "comparison.png", lengths, results, accuracy, window)

@@ -31,10 +31,11 @@ from typing import Callable
 from .errors import ArgumentParser, UserError
 from .files import write_atomic
 from .places import check_output
-from .training.positions import CONTENT
+from .training.positions import CONTENT, REFERENCE_SAMPLERS, SAMPLERS
 from .rope import SCHEDULES, scaled_inv_freq, schedule_parameters
 
-RUN_SAMPLERS = ("pose", "pose-ref", "pose-middle", "randpos", "full", "plain", "none")
+#: --sampler: the position samplers a run trains with, and `none` (no training: the schedule only).
+RUN_SAMPLERS = tuple(s for s in SAMPLERS if s not in REFERENCE_SAMPLERS) + ("none",)
 RUN_FILE = "run.json"
 ALIGN_ROWS = ("auto", "on", "off")
 #: Settings that may differ between a run and its --resume without changing what the run computes.

@@ -2,8 +2,9 @@
 
 Stages (each cached on disk under ``--out``; a rerun skips finished stages and resumes interrupted training):
 corpus (`corpus`) -> pre-training at Lc (`pretrain`) -> the grid of fine-tuning runs, each one call of
-`pose_mlx.finetune.main` (`grid`) -> evaluation through `pose_mlx.perplexity.main` / `pose_mlx.passkey.main`
-(`grid`) -> claims (`claims`) -> report.md, results.json, PNGs (`report`).
+`pose_mlx.finetune.run` with its `RunSettings` (`grid`) -> evaluation through `pose_mlx.perplexity.run` /
+`pose_mlx.passkey.run` / `pose_mlx.ruler.run` with theirs (`grid`) -> claims (`claims`) -> report.md, results.json,
+PNGs (`report`).
 """
 
 from pathlib import Path

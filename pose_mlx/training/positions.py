@@ -17,7 +17,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+#: Every sampler `sample_example` draws. All but `contiguous` (positions 0..window-1 of the unextended model: the
+#: reference of the coverage analysis) are fine-tuning samplers (`pose_mlx.settings.RUN_SAMPLERS`).
 SAMPLERS = ("pose", "pose-ref", "pose-middle", "randpos", "full", "contiguous", "plain")
+REFERENCE_SAMPLERS = ("contiguous",)
 #: Standard deviation of the truncated Gaussian of ``pose-middle``, in units of the window (CREAM's sigma).
 MIDDLE_SIGMA = 3.0
 CONTENT = ("uniform", "zero", "aligned")
