@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import shlex
 import shutil
@@ -149,7 +148,7 @@ def _base_model(ws: Workspace) -> None:
     made = made_with(ws.config.to_dict(), ws.data)
     if not (ws.model / "pretrain.json").is_file() and ws.config.pretrained != "none":
         _use_pretrained(ws.config.pretrained, ws.model, made)
-    ws.stages.run("pretrain", lambda: (ws.model / "pretrain.json").is_file(), functools.partial(_pretrain, ws, made))
+    ws.stages.run("pretrain", lambda: (ws.model / "pretrain.json").is_file(), lambda: _pretrain(ws, made))
 
 
 def _measure_gates(ws: Workspace, path: Path) -> None:
@@ -162,7 +161,7 @@ def _measure_gates(ws: Workspace, path: Path) -> None:
 def _gates(ws: Workspace) -> dict:
     """The base's gates (`pose_mlx.sim.gates`), measured once into gates.json."""
     path = ws.out / "gates.json"
-    ws.stages.run("gates", path.is_file, functools.partial(_measure_gates, ws, path))
+    ws.stages.run("gates", path.is_file, lambda: _measure_gates(ws, path))
     return json.loads(path.read_text())
 
 
@@ -199,13 +198,13 @@ def _train_and_evaluate(ws: Workspace, run: Run, seed: int, data_folders: dict[i
     settings = finetune_settings(run, ws.model, train, ws.cache, folder, window=c.window, factor=c.factor,
                                  steps=c.steps, cost_steps=c.cost_steps, full_batch=c.full_batch, lr=c.lr, seed=seed)
     ws.stages.run(f"finetune {folder.name}", lambda: (folder / "config.json").is_file(),
-                  functools.partial(run_finetune, settings))
+                  lambda: run_finetune(settings))
     if run.cost_only:
         return collect(run, folder, None, None)
     ppl_json, passkey_json = ws.out / "eval" / f"{name}.ppl.json", ws.out / "eval" / f"{name}.passkey.json"
     keys = passkey_lengths if seed == c.seed else []  # extra seeds: perplexity only
     ws.stages.run(f"evaluate {name}", lambda: ppl_json.is_file() and (not keys or passkey_json.is_file()),
-                  functools.partial(_evaluate, ws, run, folder, ppl_json, passkey_json, keys))
+                  lambda: _evaluate(ws, run, folder, ppl_json, passkey_json, keys))
     return collect(run, folder, ppl_json, passkey_json if keys else None)
 
 
@@ -227,7 +226,7 @@ def _ruler(ws: Workspace, name: str) -> dict:
     folder, stem = ws.out / "runs" / name, ws.out / "eval" / f"{name}.ruler"
     outputs = {task: stem.with_name(f"{stem.name}.{task}.json") for task in RULER_TASKS}
     ws.stages.run(f"ruler {folder.name}", lambda: all(p.is_file() for p in outputs.values()),
-                  functools.partial(_score_ruler, ws, folder, outputs))
+                  lambda: _score_ruler(ws, folder, outputs))
     return {task: {str(r["length"]): r["score"] for r in json.loads(p.read_text())["results"]}
             for task, p in outputs.items()}
 
@@ -267,7 +266,7 @@ def _position_curves(ws: Workspace, runs: list[Run]) -> dict:
             curves[run.name] = prior[run.name]
             continue
         output = ws.out / "eval" / f"{run.name}.nll.json"
-        ws.stages.run(f"nll {run.name}", output.is_file, functools.partial(_measure_nll, ws, run, output, docs))
+        ws.stages.run(f"nll {run.name}", output.is_file, lambda: _measure_nll(ws, run, output, docs))
         curves[run.name] = json.loads(output.read_text())
     return curves
 
@@ -376,7 +375,7 @@ def main(argv=None) -> int:
     runs = grid_runs(config.factor)
     ws = Workspace(config, out, Stages(_weights(config, runs), record=out / "stage_seconds.json"))
     ws.stages.run("corpus", lambda: (ws.data / "corpus.json").is_file(),
-                  functools.partial(_build_corpus, config, out, created))
+                  lambda: _build_corpus(config, out, created))
     tokenizer = corpus_mod._hf_tokenizer(ws.data / "tokenizer")
     _base_model(ws)
     base_gates = _gates(ws)
