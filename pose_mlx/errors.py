@@ -2,8 +2,8 @@
 
 Contract of a command: input the user can fix raises `UserError` anywhere below the command; `command(prog)`
 turns it into ONE line on stderr, ``prog: error: message``, and exit code 2. Ctrl-C outside a training loop
-prints one line and exits with 130; so does work stopped by a signal after saving its state (`Stopped`), with
-128 + the signal's number. A full or read-only disk (and a permission denied) is the user's
+prints one line and exits with 130; so does work stopped by a signal after saving its state (`Stopped`: the
+training loop's `Interrupted` is one), with 128 + the signal's number. A full or read-only disk (and a permission denied) is the user's
 environment, not a bug: one line and exit code 2 as well; so is a path that cannot exist (a part of it is a file). Every other exception is a bug and keeps its
 traceback.
 """

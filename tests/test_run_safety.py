@@ -232,3 +232,35 @@ def test_exported_weights_are_finite(tiny_model, text_dir, tmp_path, capsys):
                 "--cache-dir", tmp_path / "c", *FAST)[0] == 0
     weights = mx.load(str(out / "model.safetensors"))
     assert all(np.isfinite(np.array(w)).all() for w in weights.values())
+
+
+@pytest.mark.parametrize("is_main", [True, False])
+def test_a_stop_is_said_by_the_rank_that_saved_and_every_rank_waits_before_exiting(capsys, is_main):
+    """The training loop's `Interrupted` goes through the one stop handler (`errors.command`): rank 0, which saved
+    the checkpoint, prints the one line; every rank then waits at the group's barrier (a launcher ends the group
+    as soon as one rank exits with an error, which must not cut that line off); exit code 128 + the signal."""
+    import signal
+
+    from pose_mlx.errors import Stopped, command
+    from pose_mlx.training.loop import Interrupted
+
+    said_before_barrier = []
+
+    class Group:  # a rank of a two-process group: its barrier records what was printed before it was reached
+        size = 2
+
+        def __init__(self):
+            self.is_main = is_main
+
+        def barrier(self):
+            said_before_barrier.append(capsys.readouterr().err)
+
+    @command("prog")
+    def stopped(argv):
+        raise Interrupted(signal.SIGTERM, 7, Group())
+
+    assert issubclass(Interrupted, Stopped)
+    assert stopped([]) == 128 + signal.SIGTERM
+    line = "prog: stopped: interrupted by SIGTERM; checkpoint saved at step 7, continue with --resume\n"
+    assert said_before_barrier == [line if is_main else ""]
+    assert capsys.readouterr().err == ""
