@@ -510,27 +510,28 @@ def test_eta_work_estimates_match_the_committed_default_run():
 def test_the_real_models_methods_in_the_grid(tmp_path):
     """The adapt-* controls: one plain fine-tuning (folder `adapt`, original RoPE while training) with the PoSE
     runs' settings, extended at load; frequencies only: YaRN with attention factor 1."""
-    from pose_mlx.sim.grid import finetune_args, grid_runs, load_args
+    from dataclasses import replace
+
+    from pose_mlx.sim.grid import finetune_settings, grid_runs, load_schedule
 
     runs = {r.name: r for r in grid_runs(8)}
     common = dict(window=128, factor=8, steps=150, cost_steps=20, full_batch=4, lr=2e-4, seed=0)
 
-    def args(name):
+    def settings(name):
         run = runs[name]
-        return finetune_args(run, tmp_path / "base", tmp_path / "data", tmp_path / "cache",
-                             tmp_path / "runs" / run.folder, **common)
+        return finetune_settings(run, tmp_path / "base", tmp_path / "data", tmp_path / "cache",
+                                 tmp_path / "runs" / run.folder, **common).settings
 
-    pose, adapt = args("pose-yarn"), args("adapt-yarn")
-    assert runs["adapt-yarn"].folder == runs["adapt-dynamic"].folder == "adapt" and args("adapt-dynamic") == adapt
-    # the same command as PoSE + YaRN but for the sampler and the schedule while training
-    swap = {"--sampler": "plain", "--schedule": "none", "--output": str(tmp_path / "runs" / "adapt")}
-    assert adapt == [swap.get(prev, a) for prev, a in zip([None] + pose[:-1], pose)]
-    assert load_args(runs["adapt-dynamic"], 8) == ["--schedule", "dynamic", "--target", "8x"]
-    assert load_args(runs["pose-yarn"], 8) == [] and load_args(runs["only-dynamic"], 8) == []
-    notemp = args("pose-yarn-notemp")
-    assert notemp[notemp.index("--schedule-param") + 1] == "attention_factor=1"
-    assert [a for a in notemp if a not in ("--schedule-param", "attention_factor=1")] == [
-        a.replace("runs/pose-yarn", "runs/pose-yarn-notemp") for a in pose]
-    assert args("only-dynamic")[args("only-dynamic").index("--schedule") + 1] == "dynamic"
+    pose, adapt = settings("pose-yarn"), settings("adapt-yarn")
+    assert runs["adapt-yarn"].folder == runs["adapt-dynamic"].folder == "adapt" and settings("adapt-dynamic") == adapt
+    # the same run as PoSE + YaRN but for the sampler and the schedule while training
+    assert adapt == replace(pose, sampler="plain", schedule="none", output=str(tmp_path / "runs" / "adapt"))
+    assert load_schedule(runs["adapt-dynamic"], 8) == ("dynamic", "8x")
+    assert load_schedule(runs["pose-yarn"], 8) == load_schedule(runs["only-dynamic"], 8) == (None, None)
+    notemp = settings("pose-yarn-notemp")
+    assert notemp.schedule_params == {"attention_factor": 1.0}
+    assert notemp == replace(pose, schedule_params={"attention_factor": 1.0},
+                             output=str(tmp_path / "runs" / "pose-yarn-notemp"))
+    assert settings("only-dynamic").schedule == "dynamic"
     assert "params" not in runs["pose-yarn"].spec()  # specs of runs without it read as before it existed
     assert runs["pose-yarn-notemp"].spec()["params"] == "attention_factor=1"
