@@ -42,7 +42,7 @@ def main() -> int:
     import pose_mlx  # noqa: F401  (the fast BLAS first)
     from pose_mlx import extend
     from pose_mlx.model import source
-    from pose_mlx.passkey import accuracy_by_length, run_passkey
+    from pose_mlx.eval.passkey import accuracy_by_length, run_passkey
 
     gguf = str(model_file())
     out = {}

@@ -4,9 +4,9 @@ A random-weight mlx-lm llama with SmolLM2-135M's shapes (30 layers, hidden 576, 
 heads of dim 64, vocab 49152, tied embeddings; random weights cost the same FLOPs as trained ones) prefills
 random tokens through a KV cache, `--chunk` tokens at a time. Variants, timed interleaved (mlx, fast,
 fast_all, mlx, ...) at each length:
-  mlx       the prefill before `pose_mlx.cpu_attention`: model(chunk, cache) with mlx-lm's attention
+  mlx       the prefill before `pose_mlx.eval.cpu_attention`: model(chunk, cache) with mlx-lm's attention
             (`mx.fast.scaled_dot_product_attention`) and the logits of every position;
-  fast      `pose_mlx.longctx.prefill` as the passkey evaluator and generation call it: NumPy-softmax attention
+  fast      `pose_mlx.eval.longctx.prefill` as the passkey evaluator and generation call it: NumPy-softmax attention
             and the logits of the last position only;
   fast_all  the same attention with the logits of every position (the perplexity path, `chunked_nll`).
 Each variant keeps every `--sample-every`-th row of logits (and the last); exactness is the largest
@@ -35,7 +35,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
-from pose_mlx import cpu_attention, longctx
+from pose_mlx.eval import cpu_attention, longctx
 from pose_mlx.backend import status as blas_status
 from benchmarks.common import RESULTS_DIR, SMOLLM2_135M, matmul_gflops, random_model, write_results
 
@@ -155,8 +155,8 @@ def main() -> None:
         "config": SMOLLM2_135M, "chunk": args.chunk, "matmul_params": params, "formula": FORMULA,
         "variants": {"mlx": "model(chunk, cache): mlx-lm attention (mx.fast.scaled_dot_product_attention), "
                             "logits of every position",
-                     "fast": "pose_mlx.longctx.prefill: pose_mlx.cpu_attention, logits of the last position",
-                     "fast_all": "pose_mlx.cpu_attention, logits of every position (chunked_nll's path)"},
+                     "fast": "pose_mlx.eval.longctx.prefill: pose_mlx.eval.cpu_attention, logits of the last position",
+                     "fast_all": "pose_mlx.eval.cpu_attention, logits of every position (chunked_nll's path)"},
         "attention_workers": cpu_attention._WORKERS.count, "blas_library": blas_status.get("library"),
         "matmul_2048_gflops": {"before": peak_before, "after": peak_after},
         "results": results, "plot": png.name,

@@ -9,7 +9,7 @@ stream (same seeds, so the same batches), timed interleaved for `--steps` update
   compiled_mlx  TrainConfig(compile=True) (the default): the gradients under mx.compile, mlx-lm's
                 attention (`mx.fast.scaled_dot_product_attention`; on the CPU it materialises softmax(QK^T));
   eager_mlx     TrainConfig(compile=False);
-  eager_fast    eager_mlx run inside `pose_mlx.cpu_attention.fast_attention(model)`: the NumPy forward and
+  eager_fast    eager_mlx run inside `pose_mlx.eval.cpu_attention.fast_attention(model)`: the NumPy forward and
                 backward of the attention (MLX cannot evaluate inside mx.compile, hence eager).
 Losses and gradient norms of the variants must agree (they start from the same weights and see the same
 batches). Peak memory is MLX's allocator peak during an update; the NumPy attention's scratch (a few MiB per
@@ -30,7 +30,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
 from pose_mlx import extend, use_positions
-from pose_mlx.cpu_attention import fast_attention
+from pose_mlx.eval.cpu_attention import fast_attention
 from pose_mlx.training.data import ExampleStream
 from pose_mlx.training.loop import TrainConfig, make_optimizer, make_update
 

@@ -1,7 +1,7 @@
 """Peak memory and speed of long-context evaluation at 1x, 2x, 4x, 8x a small model's original window.
 
 For each length L the NLL of every token of one L-token sequence is computed twice: by chunked prefill
-through the KV cache (`pose_mlx.longctx.chunked_nll`, what `pose_mlx.perplexity` and `pose_mlx.passkey` use)
+through the KV cache (`pose_mlx.eval.longctx.chunked_nll`, what `pose_mlx.perplexity` and `pose_mlx.passkey` use)
 and by one full forward (the L x L attention at once), side by side in one run. Peak memory is
 `mx.get_peak_memory()` after `mx.reset_peak_memory()` (weights included); tokens/s is the best of `--repeats`.
 Target: chunked peak at 8x <= 1.5 x chunked peak at 1x. Writes benchmarks/results/eval_memory.json.
@@ -19,7 +19,7 @@ import mlx.core as mx
 from mlx_lm.models import llama
 
 from benchmarks.common import write_results
-from pose_mlx import longctx
+from pose_mlx.eval import longctx
 from pose_mlx.backend import status as blas_status
 from pose_mlx.memory import eval_memory
 

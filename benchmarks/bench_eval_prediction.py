@@ -3,8 +3,8 @@
 Each configuration draws a llama (2-4 layers, 2-8 heads of 16-64 dimensions, grouped-query attention 1-8x,
 intermediate 1-6x hidden, vocabulary 64-8192), a chunk (128-512), a length (2-8 chunks), all-position or
 last-position logits (perplexity vs passkey/RULER) and a dtype (float32, or bfloat16 with --bf16-share), and
-runs one chunked prefill (`pose_mlx.longctx.chunked_nll` or `prefill`) on both attention paths of the CPU
-backend: `pose_mlx.cpu_attention` (NumPy attention, the CPU default) and MLX's own attention (what Metal and
+runs one chunked prefill (`pose_mlx.eval.longctx.chunked_nll` or `prefill`) on both attention paths of the CPU
+backend: `pose_mlx.eval.cpu_attention` (NumPy attention, the CPU default) and MLX's own attention (what Metal and
 CUDA run). Measured = `mx.get_peak_memory()` after `mx.reset_peak_memory()`, weights included; predicted =
 `eval_memory(config, length, chunk, ...)`. Target: every prediction within 10%.
 Writes benchmarks/results/eval_prediction.json.
@@ -22,7 +22,7 @@ import mlx.core as mx
 from mlx_lm.models import llama
 
 from benchmarks.common import write_results
-from pose_mlx import cpu_attention, longctx
+from pose_mlx.eval import cpu_attention, longctx
 from pose_mlx.memory import eval_memory
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from benchmarks.common import RESULTS_DIR, ROOT, write_results
 from pose_mlx import memory
 from pose_mlx import plan as planner
-from pose_mlx.passkey import MAX_NEW_TOKENS
+from pose_mlx.eval.passkey import MAX_NEW_TOKENS
 
 DATA = "/usr/share/doc/python3.11/html/_sources"
 MODELS = {  # name -> make_model_folder arguments

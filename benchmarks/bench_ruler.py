@@ -22,7 +22,8 @@ from pathlib import Path
 import pose_mlx  # noqa: F401
 
 from benchmarks.common import write_results
-from pose_mlx import haystack, longctx, ruler, ruler_tasks, toy
+from pose_mlx import toy
+from pose_mlx.eval import haystack, longctx, ruler, ruler_tasks
 
 
 def prompt_building(tokenizer, lengths: list[int], samples: int) -> list[dict]:

@@ -86,7 +86,7 @@ def correct(answer: str, references: list[str]) -> bool:
 def evaluate(name: str, gguf: Path, work: Path, max_tokens: int, results: Path) -> Path:
     """Ask every question of run `name` (loaded as the evaluators load it); cached in
     <results>/eval/<name>.short_qa.json."""
-    from pose_mlx.longctx import load_eval_model
+    from pose_mlx.eval.longctx import load_eval_model
 
     path = results / "eval" / f"{name}.short_qa.json"
     if path.is_file():

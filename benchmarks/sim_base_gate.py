@@ -26,13 +26,13 @@ NAMES = ("pass key", "secret number", "inverse", "long shortstring")
 
 
 def renamed_passkey(model_dir: Path, window: int, trials: int = 20, seed: int = 0) -> dict:
-    """{name: accuracy} of the passkey prompt (`pose_mlx.passkey.prompt_text`, filler to fill `window` tokens)
+    """{name: accuracy} of the passkey prompt (`pose_mlx.eval.passkey.prompt_text`, filler to fill `window` tokens)
     with "pass key" replaced by each name; the answer must start with the key."""
     import mlx.core as mx
     import numpy as np
     from mlx_lm import load
 
-    from pose_mlx import passkey
+    from pose_mlx.eval import passkey
 
     model, tokenizer = load(str(model_dir))
     bos = tokenizer.bos_token_id

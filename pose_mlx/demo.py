@@ -26,7 +26,8 @@ import math
 import sys
 from pathlib import Path
 
-from . import finetune, passkey, perplexity, toy
+from . import finetune, toy
+from .eval import passkey, perplexity
 from .errors import ArgumentParser, UserError, command
 from .lengths import parse_length
 from .places import check_output

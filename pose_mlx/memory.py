@@ -873,7 +873,7 @@ def check_fits(config: dict | Architecture, settings: TrainSettings, max_memory:
 # ------------------------------------------------------------------------------------------- evaluation
 
 KV_CACHE_STEP = 256  # mlx-lm's KVCache grows its buffers by this many positions
-TILE_BYTES = 32 << 20  # pose_mlx.cpu_attention's score tile per worker
+TILE_BYTES = 32 << 20  # pose_mlx.eval.cpu_attention's score tile per worker
 
 
 #: On a GPU, MLX's unfused attention held about this many score-sized arrays at the peak of a chunk (one on the CPU):
@@ -884,7 +884,7 @@ GPU_EVAL_SCORES = 4
 
 def eval_memory(config: dict | Architecture, length: int, chunk: int = 512, *, all_logits: bool = True,
                 cpu_attention: bool | None = None, backend: str | None = None) -> Estimate:
-    """Peak bytes of scoring one `length`-token sequence by chunked prefill (`pose_mlx.longctx.prefill`, what
+    """Peak bytes of scoring one `length`-token sequence by chunked prefill (`pose_mlx.eval.longctx.prefill`, what
     `pose_mlx.perplexity`, `pose_mlx.passkey` and `pose_mlx.ruler` run), chunk C = min(chunk, length), hidden h,
     intermediate I, kv_dims = kv_heads x head_dim, c bytes per activation:
 
@@ -896,7 +896,7 @@ def eval_memory(config: dict | Architecture, length: int, chunk: int = 512, *, a
     layers, hidden 32-512, GQA 1-8x, vocabulary 64-8192, chunk 128-512, float32 and bfloat16, each on both attention
     paths; `benchmarks/bench_eval_prediction.py`: every total within 10%): the MLP's gate and up projections (2 x C
     x I x c) and the residual stream with the attention's inputs and output. On the CPU backend's attention path
-    (`pose_mlx.cpu_attention`, the default when MLX's default device is the CPU) that is 9 C x h arrays in float32
+    (`pose_mlx.eval.cpu_attention`, the default when MLX's default device is the CPU) that is 9 C x h arrays in float32
     and the chunk's keys (C x kv_dims x c); a 16-bit model is attended in float32 there: its attention output is one
     more C x h float32 array, and one layer's keys and values (2 x kv_dims x L) and the chunk's queries are cast
     first, with 4 C x h float32 arrays alive, which is the peak when larger. On MLX's own attention it is 9 C x h

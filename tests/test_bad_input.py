@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from _finetune_helpers import text_dir, tiny_model  # noqa: F401
-from pose_mlx import convert, demo, finetune, launch, passkey, perplexity, plan, ruler
+from pose_mlx import convert, demo, finetune, launch, plan
+from pose_mlx.eval import passkey, perplexity, ruler
 from pose_mlx.sim import __main__ as sim
 
 

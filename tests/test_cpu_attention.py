@@ -1,13 +1,13 @@
-"""pose_mlx.cpu_attention and pose_mlx.eval_forward against MLX's own attention and full forward passes."""
+"""pose_mlx.eval.cpu_attention and pose_mlx.eval.forward against MLX's own attention and full forward passes."""
 
 import importlib
 
 import numpy as np
 import pytest
 
-import pose_mlx.cpu_attention as ca
-from pose_mlx import longctx
-from pose_mlx.eval_forward import PLAIN_HEAD_MODULES, eval_logits, output_head
+import pose_mlx.eval.cpu_attention as ca
+from pose_mlx.eval import longctx
+from pose_mlx.eval.forward import PLAIN_HEAD_MODULES, eval_logits, output_head
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -18,7 +18,7 @@ from conftest import build_model, cpu_only, on_cpu
 
 #: Tests of the NumPy attention itself: off the CPU `attention` and `fast_attention` hand every call to MLX's own
 #: kernel (by design), so there these tests would compare MLX with itself or find the NumPy path never taken.
-numpy_path = cpu_only("pose_mlx.cpu_attention's NumPy attention runs only on the CPU backend")
+numpy_path = cpu_only("pose_mlx.eval.cpu_attention's NumPy attention runs only on the CPU backend")
 
 # (B, H, Hkv, Lq, Lk, D, Dv): GQA, a cache offset (Lq < Lk), one query, odd sizes, Dv != D, several tiles
 SHAPES = [

@@ -602,7 +602,7 @@ def test_real_chat_answer(real):
 
 
 def test_real_passkey(real):
-    from pose_mlx.passkey import accuracy_by_length, run_passkey
+    from pose_mlx.eval.passkey import accuracy_by_length, run_passkey
 
     _, model, tokenizer, _ = real
     trials, _ = run_passkey(model, tokenizer, [1024, 2048], trials=4, seed=0, show_progress=False)
@@ -612,7 +612,7 @@ def test_real_passkey(real):
 
 def test_real_perplexity_on_english_prose(real):
     """2047 tokens of the Python tutorial: well below 100 and far below the text's own unigram perplexity."""
-    from pose_mlx import longctx
+    from pose_mlx.eval import longctx
 
     if not DOCS.is_file():
         pytest.skip(f"{DOCS} not found (Debian's python3.11-doc)")

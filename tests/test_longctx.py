@@ -1,9 +1,9 @@
-"""Chunked prefill, memory estimates, length parsing and model loading of pose_mlx.longctx."""
+"""Chunked prefill, memory estimates, length parsing and model loading of pose_mlx.eval.longctx."""
 
 import numpy as np
 import pytest
 
-from pose_mlx import longctx
+from pose_mlx.eval import longctx
 from pose_mlx.errors import UserError
 from pose_mlx.lengths import default_lengths, parse_lengths
 
@@ -129,7 +129,8 @@ def test_folder_with_saved_schedule_is_evaluated_with_it(tmp_path):
 
 
 def test_both_commands_run_on_a_folder_exported_by_finetune(tmp_path, capsys, monkeypatch):
-    from pose_mlx import finetune, passkey, perplexity
+    from pose_mlx import finetune
+    from pose_mlx.eval import passkey, perplexity
 
     base = make_eval_folder(tmp_path / "base", max_position_embeddings=128)
     out = tmp_path / "extended"

@@ -448,7 +448,7 @@ def test_measured_eval_peak_within_10_percent(toy_folder):
     """Chunked prefill in its own process, on the CPU backend's NumPy attention path and on MLX's own attention
     path (what Metal and CUDA run; forced here): each prediction within 10% of `mx.get_peak_memory()`."""
     code = ("import sys, numpy as np, pose_mlx, mlx.core as mx\n"
-            "from pose_mlx import cpu_attention, longctx\nfrom mlx_lm import load\n"
+            "from pose_mlx.eval import cpu_attention, longctx\nfrom mlx_lm import load\n"
             "if sys.argv[4] == 'mlx': cpu_attention.cpu_backend = lambda: False\n"
             "model, _ = load(sys.argv[1]); mx.eval(model.parameters())\n"
             "tokens = np.random.default_rng(0).integers(3, 500, size=int(sys.argv[2])).astype(np.int32)\n"

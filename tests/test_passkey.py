@@ -6,8 +6,7 @@ import time
 import numpy as np
 import pytest
 
-from pose_mlx import longctx
-from pose_mlx import passkey
+from pose_mlx.eval import longctx, passkey
 from pose_mlx.errors import EXIT_INTERRUPTED, UserError
 
 import mlx.core as mx

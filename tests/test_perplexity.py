@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from pose_mlx import perplexity as ppl
+from pose_mlx.eval import perplexity as ppl
 
 import mlx.core as mx
 

@@ -100,7 +100,7 @@ def test_a_plain_run_exported_unextended_is_extended_at_load(tiny_model, text_di
     `--schedule dynamic --target 8x` extends it at load (from the recorded original window), and a folder
     exported with a real schedule still refuses a second one."""
     from pose_mlx.errors import UserError
-    from pose_mlx.longctx import load_eval_model
+    from pose_mlx.eval.longctx import load_eval_model
 
     out = tmp_path / "adapt"
     code = main(["--model", str(tiny_model), "--target", "8x", "--schedule", "none", "--sampler", "plain",

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pose_mlx import haystack, longctx, ruler, ruler_tasks as rt
+from pose_mlx.eval import haystack, longctx, ruler, ruler_tasks as rt
 from pose_mlx.errors import UserError
 
 import mlx.core as mx

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from pose_mlx import passkey
+from pose_mlx.eval import passkey
 from pose_mlx.sim.retrieval import KINDS, retrieval_documents
 from pose_mlx.toy import stdlib_texts, train_tokenizer
 

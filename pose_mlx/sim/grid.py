@@ -1,5 +1,5 @@
 """The grid: every run is one call of `pose_mlx.finetune.run`, every evaluation one call of
-`pose_mlx.perplexity.run` / `pose_mlx.passkey.run` / `pose_mlx.ruler.run`, each with its typed settings (their
+`pose_mlx.eval.perplexity.run` / `pose_mlx.eval.passkey.run` / `pose_mlx.eval.ruler.run`, each with its typed settings (their
 JSON outputs are what the report reads).
 
 Runs train on the same number of tokens: `steps` updates of `full_batch` sequences of Lt tokens (full-length)
@@ -19,9 +19,10 @@ import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .. import finetune, passkey, perplexity, ruler
+from .. import finetune
+from ..eval import passkey, perplexity, ruler
 from ..errors import Stopped, UserError
-from ..ruler_tasks import PromptBuilder
+from ..eval.ruler_tasks import PromptBuilder
 from ..settings import RUN_FILE, Invocation, RunSettings, parse_param, run_folder
 
 #: RULER's subset run by the simulator (`pose_mlx.ruler`), and the runs it probes.

@@ -18,7 +18,7 @@ import numpy as np
 def window_nll(model, docs: list[np.ndarray], length: int, bos: int) -> np.ndarray:
     """(windows, length - 1) NLLs: row w, column p - 1 scores position p of the w-th window (documents in order,
     each cut into floor(n / (length - 1)) windows of length - 1 tokens after BOS)."""
-    from ..longctx import chunked_nll
+    from ..eval.longctx import chunked_nll
 
     rows = []
     for doc in docs:
@@ -46,7 +46,7 @@ def measure(model_dir: Path, docs: list[np.ndarray], length: int, bin_width: int
     """The binned curve of the run in `model_dir` (loaded with its saved schedule, or extended at load with
     `schedule` / `target` as the evaluators' --schedule / --target do) at window `length`, written to `output` as
     JSON and returned. `docs`: tokenized test documents, BOS left out."""
-    from ..longctx import bos_id, load_eval_model
+    from ..eval.longctx import bos_id, load_eval_model
 
     info = load_eval_model(str(model_dir), schedule, target)
     record = {"length": length, "bin_width": bin_width,

@@ -7,7 +7,7 @@ Three kinds, cycling through KINDS (half needles, a fifth tables, three tenths r
   question about the name ("What is the {name}? The {name} is", ...) and the answer " {k}."; half of them open
   with an instruction of their own wording, half put preamble, filler, needle and question on lines of their own
   (the layout of a prompt), the others run them on as one paragraph. Names are one or two
-  words of `pose_mlx.haystack.word_pool()` (about 1,700 words; never "pass" or "key"), so what the model can learn
+  words of `pose_mlx.eval.haystack.word_pool()` (about 1,700 words; never "pass" or "key"), so what the model can learn
   is to find the phrase and copy what followed it, not a fixed name; keys are 5-digit numbers. The filler is the
   passkey test's own neutral sentences (`haystack.FILLER`).
 - table: "word = k; word = k; ..." then "Lookup word: k.".
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..haystack import FILLER, word_pool
+from ..eval.haystack import FILLER, word_pool
 
 KINDS = ("needle",) * 5 + ("table",) * 2 + ("repeat",) * 3
 NEEDLES = ("The {name} is {key}.", "Remember: the {name} is {key}.", "Note it down, the {name} is {key}.",

@@ -2,7 +2,7 @@
 
 RULER (Hsieh et al., 2024, "RULER: What's the Real Context Size of Your Long-Context Language Models?",
 arXiv 2404.06654) probes long context with synthetic tasks: needle-in-a-haystack variants, variable tracking,
-common and frequent words extraction (`pose_mlx.ruler_tasks` generates them offline, sized in the evaluated
+common and frequent words extraction (`pose_mlx.eval.ruler_tasks` generates them offline, sized in the evaluated
 model's tokens). The model answers greedily (at most the task's token budget: 128 for the needle tasks, 30 for
 variable tracking, 120 for common words, 50 for frequent words; `--max-new-tokens` sets one budget for all).
 
@@ -14,7 +14,7 @@ average of Llama-2-7B at 4k (85.6%, `--threshold 0.856`). Here: the largest test
 tested length <= L averages >= the threshold; none when the shortest tested length already fails. (A length
 that passes after a shorter one failed does not count: the claim is "reads its context up to L".)
 
-Prompts run through one KV cache (`pose_mlx.passkey.PrefixCachedGenerator`, chunked prefill): within a length,
+Prompts run through one KV cache (`pose_mlx.eval.passkey.PrefixCachedGenerator`, chunked prefill): within a length,
 samples whose prompts share their start (same template and haystack: the five essay needle tasks, or the
 samples of one task) go deepest first needle first, so each prompt recomputes only the part after its first
 needle. Prompts fill L tokens; the answer follows them (RULER counts the answer in L; here it extends L by at
@@ -31,12 +31,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
-from . import errors, longctx
-from .errors import UserError
-from .files import write_atomic
-from .places import check_output
-from .resumable import RecordLog
+from . import longctx
+from ..errors import UserError, command
+from ..files import write_atomic
+from ..resumable import RecordLog
+from .haystack import essay_text
+from .opening import open_evaluation
+from .passkey import PrefixCachedGenerator
 from .ruler_tasks import DEPTH_MODES, TASKS, PromptBuilder, PromptTooShort, parse_tasks
 
 DEFAULT_THRESHOLD = 0.856  # Llama-2-7B's RULER average at 4k (Hsieh et al., 2024)
@@ -161,10 +164,6 @@ def run_ruler(model, tokenizer, lengths: list[int], tasks: list[str] | str = "al
     `done`: records of an interrupted run of the same settings, not run again; `on_record(record)`: called after
     each sample that is run.
     """
-    from tqdm import tqdm
-
-    from .passkey import PrefixCachedGenerator
-
     tasks = parse_tasks(tasks) if isinstance(tasks, str) else parse_tasks(",".join(tasks))
     lengths = sorted(set(int(n) for n in lengths))
     builder = builder or PromptBuilder(tokenizer, samples, seed, depth_mode, haystack, chat)
@@ -230,7 +229,7 @@ def record_json(run: RulerRun, info: longctx.EvalModel, args, threshold: float, 
 
 def write_outputs(out: Path, record: dict, run: RulerRun) -> Path:
     """The JSON at `out` and the task x length heatmap at <stem>_heatmap.png; returns the PNG's path."""
-    from .plots import heatmap
+    from ..plots import heatmap  # matplotlib: loaded once there is something to plot
 
     out.parent.mkdir(parents=True, exist_ok=True)
     grid = np.array([[run.score(t, n) for n in run.lengths] for t in run.tasks]
@@ -290,9 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_arguments(args) -> list[str]:
-    tasks = parse_tasks(args.tasks)
-    longctx.check_chunk(args.chunk)
+def _check_arguments(args) -> None:
+    parse_tasks(args.tasks)
     if args.samples < 1:
         raise UserError(f"--samples: {args.samples} must be >= 1")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
@@ -301,7 +299,20 @@ def _check_arguments(args) -> list[str]:
         raise UserError(f"--seed: {args.seed} must be >= 0")
     if not 0.0 < args.threshold <= 1.0:
         raise UserError(f"--threshold: {args.threshold} must be in (0, 1]")
-    return tasks
+    if args.haystack:
+        essay_text(args.haystack)  # a bad folder is reported before the model is loaded
+
+
+def _within_window(args, info: longctx.EvalModel, lengths: list[int]) -> list[int]:
+    if max(lengths) > info.maximum and not args.force:
+        raise UserError(f"--lengths: {max(lengths)} is beyond the model's window of {info.maximum} tokens; "
+                        "extend it with --schedule/--target, or pass --force to test beyond the window")
+    return lengths
+
+
+def _answer_budget(args) -> int:
+    """The longest answer of the run's tasks, in tokens."""
+    return args.max_new_tokens or max(TASKS[t].max_new_tokens for t in parse_tasks(args.tasks))
 
 
 def check_lengths(builder: PromptBuilder, tasks: list[str], lengths: list[int]) -> None:
@@ -323,7 +334,7 @@ def check_lengths(builder: PromptBuilder, tasks: list[str], lengths: list[int]) 
                         "longer --lengths or drop these from --tasks")
 
 
-@errors.command("pose_mlx.ruler")
+@command("pose_mlx.ruler")
 def main(argv=None) -> int:
     run(RulerSettings(**vars(build_parser().parse_args(argv))))
     return 0
@@ -333,30 +344,13 @@ def run(args: RulerSettings) -> RulerRun:
     """The command: check `args` (UserError naming the flag), load the model, refuse lengths a task does not
     fit, answer and score every sample (resuming those an interrupted run logged), print the table, write the
     JSON and heatmap; returns the run."""
-    started = time.perf_counter()
-    tasks = _check_arguments(args)
-    if args.output:
-        check_output("--output", args.output)
-    if args.lengths:
-        longctx.parse_lengths(args.lengths, 1)  # the grammar, before loading ('x' lengths need the model)
-    if args.haystack:
-        from .haystack import essay_text
-
-        essay_text(args.haystack)  # a bad folder is reported before the model is loaded
-    info = longctx.load_eval_model(args.model, args.schedule, args.target, args.original)
-    lengths = longctx.resolve_lengths(args.lengths, info)
-    if max(lengths) > info.maximum and not args.force:
-        raise UserError(f"--lengths: {max(lengths)} is beyond the model's window of {info.maximum} tokens; "
-                        "extend it with --schedule/--target, or pass --force to test beyond the window")
-    answer = args.max_new_tokens or max(TASKS[t].max_new_tokens for t in tasks)
-    estimate = longctx.check_memory(info, [max(lengths) + answer], args.chunk, args.force, all_logits=False)
+    opening = open_evaluation("ruler", args, check=_check_arguments, fit=_within_window, answer=_answer_budget)
+    info, lengths = opening.info, opening.lengths
+    tasks = parse_tasks(args.tasks)
     builder = PromptBuilder(info.tokenizer, args.samples, args.seed, args.depths, args.haystack,
                             False if args.no_chat else None)
     check_lengths(builder, tasks, lengths)
-    print(f"model {info.path}: schedule {info.schedule}; original window {info.original}, max "
-          f"{info.maximum}; {'chat template' if builder.fmt.chat else 'plain prompts'}; memory estimate "
-          f"{estimate}", file=sys.stderr)
-    out = longctx.default_output("ruler", info, args.output)
+    out = opening.announce("chat template" if builder.fmt.chat else "plain prompts")
     log = RecordLog(out, {"model": str(info.path), "schedule": info.schedule, "lengths": lengths, "tasks": tasks,
                           "samples": args.samples, "seed": args.seed, "depths": args.depths,
                           "haystack": args.haystack, "chat": builder.fmt.chat,
@@ -369,7 +363,8 @@ def run(args: RulerSettings) -> RulerRun:
           f"the references found in the output (case-insensitive), mean over samples ({scored.computed_tokens}/"
           f"{scored.prompt_tokens} prompt tokens computed, the rest reused from the KV cache)")
     print(format_table(scored, args.threshold))
-    record = record_json(scored, info, args, args.threshold, builder.fmt.chat) | {"cost": longctx.run_cost(started)}
+    record = record_json(scored, info, args, args.threshold, builder.fmt.chat)
+    record["cost"] = longctx.run_cost(opening.started)
     png = write_outputs(out, record, scored)
     log.remove()
     print(f"wrote {out} and {png}", file=sys.stderr)
@@ -379,6 +374,3 @@ def run(args: RulerSettings) -> RulerRun:
 __all__ = ["DEFAULT_THRESHOLD", "EFFECTIVE_LENGTH", "MIN_TOKENS", "Record", "RulerRun", "RulerSettings",
            "check_lengths", "effective_length", "evaluation_order", "format_table", "main", "match_all", "run",
            "run_ruler"]
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -17,7 +17,7 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from .errors import UserError
+from ..errors import UserError
 
 HAYSTACK_SUFFIXES = (".txt", ".md", ".rst")
 #: The noise haystack: five sentences repeated (the passkey test's filler, Mohtashami & Jaggi 2023).
@@ -41,7 +41,7 @@ def _normalize(text: str) -> str:
 @functools.lru_cache(maxsize=1)
 def reference_text() -> str:
     """The language reference shipped with CPython (`pydoc_data.topics`), whitespace-normalized (~450 KB)."""
-    from pydoc_data.topics import topics
+    from pydoc_data.topics import topics  # ~450 KB of text: read only when the default haystack is used
 
     return _normalize(" ".join(topics[name] for name in sorted(topics)))
 

@@ -4,7 +4,7 @@ Language Models?", arXiv 2404.06654), generated offline and sized in the evaluat
 Task families (the templates are this project's own wording; the task definitions follow the paper):
 
 - needle in a haystack (`niah_*`): "A special magic number for <key> is <value>." sentences hidden in a
-  haystack of filler sentences (noise), of English prose (essay, `pose_mlx.haystack`), or of distractor
+  haystack of filler sentences (noise), of English prose (essay, `pose_mlx.eval.haystack`), or of distractor
   needles only; asked for the value(s) of one or several keys. Keys are word pairs ("lambda-iterator") or
   UUIDs, values 7-digit numbers or UUIDs.
 - variable tracking (`vt`): chains "VAR ABCDE = 12345.", "VAR FGHIJ = VAR ABCDE.", ... (4 hops) in a noise
@@ -30,6 +30,7 @@ on, which is what lets an evaluator reuse the KV cache of the shared prefix.
 from __future__ import annotations
 
 import bisect
+import difflib
 import math
 import uuid
 import zlib
@@ -39,7 +40,7 @@ from typing import Callable
 import numpy as np
 
 from . import haystack as hay
-from .errors import UserError
+from ..errors import UserError
 
 NOISE = hay.FILLER
 DEPTH_MODES = ("spread", "uniform")
@@ -138,7 +139,7 @@ class PromptFormat:
     SENTINEL = "@@RULER-BODY@@"
 
     def __init__(self, tokenizer, chat: bool | None = None):
-        from . import longctx
+        from . import longctx  # imports MLX: the task generators stay NumPy-only until a prompt is framed
 
         self.tokenizer = tokenizer
         self.chat = has_chat_template(tokenizer) if chat is None else chat
@@ -552,8 +553,6 @@ class PromptBuilder:
 
 
 def unknown_task_message(name: str) -> str:
-    import difflib
-
     close = difflib.get_close_matches(name, list(TASKS), n=1, cutoff=0.5)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     return f"--tasks: unknown task {name!r}{hint} (tasks: all, {', '.join(TASKS)})"

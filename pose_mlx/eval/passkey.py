@@ -14,19 +14,18 @@ import argparse
 import json
 import re
 import sys
-import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import numpy as np
-
-from . import haystack, longctx
-from .resumable import RecordLog
-from .errors import UserError, command
-from .places import check_output
+from tqdm import tqdm
 
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+
+from . import haystack, longctx
+from ..errors import UserError, command
+from ..resumable import RecordLog
+from .opening import open_evaluation
 
 TASK = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
         "I will quiz you about the important information there.")
@@ -160,8 +159,6 @@ def run_passkey(model, tokenizer, lengths: list[int], trials: int, depths: int |
 
     Trials in `done` (from an interrupted run of the same plan) are not run again; `on_trial(trial)` is called
     after each one that is."""
-    from tqdm import tqdm
-
     bos = longctx.bos_id(tokenizer)
     stop = set(getattr(tokenizer, "eos_token_ids", None) or [])
     if getattr(tokenizer, "eos_token_id", None) is not None:
@@ -251,6 +248,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_flags(args) -> None:
+    if args.seed < 0:
+        raise UserError(f"--seed must be >= 0, got {args.seed}")
+    if args.trials > 100_000:
+        raise UserError(f"--trials must be at most 100000, got {args.trials}")
+    trial_plan([], args.trials, args.depths, args.seed)  # --trials/--depths checked before loading the model
+
+
+def _fit_lengths(args, info: longctx.EvalModel, lengths: list[int]) -> list[int]:
+    """The default lengths without those too short for the template (given --lengths are kept as they are)."""
+    if args.lengths:
+        return lengths
+    template = len(prompt_tokens(info.tokenizer, longctx.bos_id(info.tokenizer), 0, 0.5, 99_999))
+    lengths = [n for n in lengths if n >= template]
+    if not lengths:
+        raise UserError(f"--lengths: the model's window {info.maximum} is shorter than the passkey "
+                        f"template ({template} tokens); pass --lengths {2 ** (template - 1).bit_length()} "
+                        "(or longer) to test beyond the window")
+    return lengths
+
+
 @command("pose_mlx.passkey")
 def main(argv=None) -> int:
     run(PasskeySettings(**vars(build_parser().parse_args(argv))))
@@ -260,32 +278,11 @@ def main(argv=None) -> int:
 def run(args: PasskeySettings) -> list[dict]:
     """The command: check `args` (UserError naming the flag), load the model, run the trials (resuming those
     an interrupted run logged), print the table, write the JSON and PNGs; returns the accuracy by length."""
-    started = time.perf_counter()
-    longctx.check_chunk(args.chunk)
-    if args.output:
-        check_output("--output", args.output)
-    if args.seed < 0:
-        raise UserError(f"--seed must be >= 0, got {args.seed}")
-    if args.trials > 100_000:
-        raise UserError(f"--trials must be at most 100000, got {args.trials}")
-    trial_plan([], args.trials, args.depths, args.seed)  # --trials/--depths checked before loading the model
-    if args.lengths:
-        longctx.parse_lengths(args.lengths, 1)  # the grammar, before loading ('x' lengths need the model)
-    info = longctx.load_eval_model(args.model, args.schedule, args.target, args.original)
-    lengths = longctx.resolve_lengths(args.lengths, info)
-    if not args.lengths:  # defaults: drop those too short for the template
-        template = len(prompt_tokens(info.tokenizer, longctx.bos_id(info.tokenizer), 0, 0.5, 99_999))
-        lengths = [n for n in lengths if n >= template]
-        if not lengths:
-            raise UserError(f"--lengths: the model's window {info.maximum} is shorter than the passkey "
-                            f"template ({template} tokens); pass --lengths {2 ** (template - 1).bit_length()} "
-                            "(or longer) to test beyond the window")
-    estimate = longctx.check_memory(info, [max(lengths) + MAX_NEW_TOKENS], args.chunk, args.force,
-                                    all_logits=False)  # the prompt and the answer in the cache
+    opening = open_evaluation("passkey", args, check=_check_flags, fit=_fit_lengths,
+                              answer=MAX_NEW_TOKENS)  # the prompt and the answer in the cache
+    info, lengths = opening.info, opening.lengths
     build_prompt(info.tokenizer, longctx.bos_id(info.tokenizer), min(lengths), 0.5, 99_999)  # template fits?
-    print(f"model {info.path}: schedule {info.schedule}; original window {info.original}, "
-          f"max {info.maximum}; memory estimate {estimate}", file=sys.stderr)
-    out = longctx.default_output("passkey", info, args.output)
+    out = opening.announce()
     log = RecordLog(out, {"model": str(info.path), "schedule": info.schedule, "lengths": lengths,
                           "trials": args.trials, "depths": args.depths, "seed": args.seed}, Trial)
     with log.resumed("passkey", "trials", args.trials * len(lengths)) as done:
@@ -297,27 +294,22 @@ def run(args: PasskeySettings) -> list[dict]:
           f"correct = first integer equals the key ({generator.computed}/{total} prompt tokens computed, "
           "the rest reused from the KV cache)")
     print(format_table(accuracy))
-    if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        grid, labels, grid_lengths = depth_grid(trials)
-        record = {"model": info.path, "schedule": info.schedule, "seed": args.seed, "lengths": lengths,
-                  "accuracy": accuracy, "depth_accuracy": {"depths": labels, "lengths": grid_lengths,
-                                                           "accuracy": np.where(np.isnan(grid), None, grid).tolist()},
-                  "trials": [asdict(t) for t in trials], "cost": longctx.run_cost(started)}
-        out.write_text(json.dumps(record, indent=2) + "\n")
-        log.remove()
-        from .plots import heatmap, line_vs_length
+    out.parent.mkdir(parents=True, exist_ok=True)
+    grid, labels, grid_lengths = depth_grid(trials)
+    record = {"model": info.path, "schedule": info.schedule, "seed": args.seed, "lengths": lengths,
+              "accuracy": accuracy, "depth_accuracy": {"depths": labels, "lengths": grid_lengths,
+                                                       "accuracy": np.where(np.isnan(grid), None, grid).tolist()},
+              "trials": [asdict(t) for t in trials], "cost": longctx.run_cost(opening.started)}
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    log.remove()
+    from ..plots import heatmap, line_vs_length  # matplotlib: loaded once there is something to plot
 
-        acc_png = line_vs_length(out.with_name(out.stem + "_accuracy.png"), lengths,
-                                 {info.label: [a["accuracy"] for a in accuracy]}, "accuracy (share of trials)",
-                                 "Passkey retrieval accuracy", ylim=(-0.05, 1.05),
-                                 mark=info.original)
-        heat_png = heatmap(out.with_name(out.stem + "_heatmap.png"), grid, labels, [str(n) for n in grid_lengths],
-                           "context length (tokens)", "needle depth (share of the context)",
-                           "Passkey accuracy by depth and length")
-        print(f"wrote {out}, {acc_png} and {heat_png}", file=sys.stderr)
+    acc_png = line_vs_length(out.with_name(out.stem + "_accuracy.png"), lengths,
+                             {info.label: [a["accuracy"] for a in accuracy]}, "accuracy (share of trials)",
+                             "Passkey retrieval accuracy", ylim=(-0.05, 1.05),
+                             mark=info.original)
+    heat_png = heatmap(out.with_name(out.stem + "_heatmap.png"), grid, labels, [str(n) for n in grid_lengths],
+                       "context length (tokens)", "needle depth (share of the context)",
+                       "Passkey accuracy by depth and length")
+    print(f"wrote {out}, {acc_png} and {heat_png}", file=sys.stderr)
     return accuracy
-
-
-if __name__ == "__main__":
-    sys.exit(main())

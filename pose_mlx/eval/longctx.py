@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import resource
 import sys
 import time
@@ -30,11 +29,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from .errors import ArgumentParser, UserError
-from .eval_forward import eval_logits
-from .lengths import default_lengths, parse_lengths
-from .model import source
-from .model.patch import extend, reschedule, use_length
+from ..errors import ArgumentParser, UserError
+from ..lengths import default_lengths, parse_length, parse_lengths
+from ..memory import available_memory, eval_memory, format_size
+from ..model import source
+from ..model.patch import extend, reschedule, use_length
+from .forward import eval_logits
 
 DEFAULT_CHUNK = 512
 
@@ -107,8 +107,6 @@ def load_eval_model(reference: str, schedule: str | None = None, target: str | N
 
 
 def _target_length(text: str, original: int) -> int:
-    from .lengths import parse_length
-
     length = parse_length(text, original, "--target")
     if length < original:
         raise UserError(f"--target: {length} is shorter than the original window {original}")
@@ -229,8 +227,6 @@ def check_memory(info: "EvalModel", lengths: list[int], chunk: int, force: bool 
     one chunk's scores, logits - every position's, or the last one's when not `all_logits` - and activations)
     against the memory this machine offers: UserError above it, or only a warning with `force`. Returns the
     prediction in words."""
-    from .memory import available_memory, eval_memory, format_size
-
     estimate = eval_memory(info.config, max(lengths), chunk, all_logits=all_logits)
     parts = {k.replace("_", " "): v for k, v in estimate.breakdown.items() if v}
     if estimate.details["numpy_bytes"]:

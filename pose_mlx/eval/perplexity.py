@@ -14,17 +14,16 @@ import argparse
 import json
 import math
 import sys
-import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Iterable
 
 import numpy as np
+from tqdm import tqdm
 
 from . import longctx
-from .training.data import chat_renderer, read_documents  # a text file, a .jsonl file, a folder of them, or a hub dataset
-from .errors import UserError, command
-from .places import check_output
+from ..errors import UserError, command
+from ..training.data import chat_renderer, read_documents  # a text file, a .jsonl file, a folder of them, or a hub dataset
+from .opening import open_evaluation
 
 METRIC = "token-weighted perplexity: exp(total NLL / scored tokens), sliding windows of BOS + (W-1) tokens"
 
@@ -87,8 +86,6 @@ class LengthResult:
 def perplexity(model, documents: list[list[int]], lengths: list[int], stride: int, bos: int,
                chunk: int = longctx.DEFAULT_CHUNK, show_progress: bool = True) -> list[LengthResult]:
     """Token-weighted perplexity of the tokenized `documents` at each window length."""
-    from tqdm import tqdm
-
     results = []
     for length in lengths:
         work = sum(w.stop - w.start + 1 for d in documents for w in window_plan(len(d), length, stride))
@@ -167,6 +164,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_flags(args) -> None:
+    if args.stride < 1 or args.docs < 1:
+        raise UserError("--stride and --docs must be >= 1")
+    if args.min_doc_tokens is not None and args.min_doc_tokens < 1:
+        raise UserError(f"--min-doc-tokens must be >= 1, got {args.min_doc_tokens}")
+    if args.truncate is not None and args.no_truncate:
+        raise UserError("--truncate and --no-truncate exclude each other")
+
+
 @command("pose_mlx.perplexity")
 def main(argv=None) -> int:
     run(PerplexitySettings(**vars(build_parser().parse_args(argv))))
@@ -176,21 +182,8 @@ def main(argv=None) -> int:
 def run(args: PerplexitySettings) -> list[LengthResult]:
     """The command: check `args` (UserError naming the flag), load the model, score every length, print the
     table, write the JSON and PNG; returns the results by length."""
-    started = time.perf_counter()
-    longctx.check_chunk(args.chunk)
-    if args.output:
-        check_output("--output", args.output)
-    if args.stride < 1 or args.docs < 1:
-        raise UserError("--stride and --docs must be >= 1")
-    if args.min_doc_tokens is not None and args.min_doc_tokens < 1:
-        raise UserError(f"--min-doc-tokens must be >= 1, got {args.min_doc_tokens}")
-    if args.truncate is not None and args.no_truncate:
-        raise UserError("--truncate and --no-truncate exclude each other")
-    if args.lengths:
-        longctx.parse_lengths(args.lengths, 1)  # the grammar, before loading ('x' lengths need the model)
-    info = longctx.load_eval_model(args.model, args.schedule, args.target, args.original)
-    lengths = longctx.resolve_lengths(args.lengths, info)
-    estimate = longctx.check_memory(info, lengths, args.chunk, args.force)
+    opening = open_evaluation("perplexity", args, check=_check_flags)
+    info, lengths = opening.info, opening.lengths
     min_tokens = args.min_doc_tokens if args.min_doc_tokens is not None else max(lengths) - 1
     truncate = None if args.no_truncate else max(lengths) - 1 if args.truncate is None else args.truncate
     if truncate is not None and truncate < max(lengths) - 1:
@@ -198,26 +191,19 @@ def run(args: PerplexitySettings) -> list[LengthResult]:
                         f"({max(lengths) - 1} after BOS)")
     docs = load_documents(args.data, info.tokenizer, min_tokens, args.docs, truncate)
     bos = longctx.bos_id(info.tokenizer)
-    print(f"model {info.path}: schedule {info.schedule}; original window {info.original}, "
-          f"max {info.maximum}; memory estimate {estimate}", file=sys.stderr)
+    out = opening.announce()
     results = perplexity(info.model, docs, lengths, args.stride, bos, args.chunk, not args.no_progress)
     print(f"{METRIC}; stride {args.stride}; {len(docs)} documents")
     print(format_table(info.label, results))
-    out = longctx.default_output("perplexity", info, args.output)
-    if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        record = {"model": info.path, "schedule": info.schedule, "metric": METRIC, "stride": args.stride,
-                  "documents": len(docs), "truncate": truncate, "results": [asdict(r) for r in results],
-                  "cost": longctx.run_cost(started)}
-        out.write_text(json.dumps(record, indent=2) + "\n")
-        from .plots import line_vs_length
+    out.parent.mkdir(parents=True, exist_ok=True)
+    record = {"model": info.path, "schedule": info.schedule, "metric": METRIC, "stride": args.stride,
+              "documents": len(docs), "truncate": truncate, "results": [asdict(r) for r in results],
+              "cost": longctx.run_cost(opening.started)}
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    from ..plots import line_vs_length  # matplotlib: loaded once there is something to plot
 
-        png = line_vs_length(out.with_suffix(".png"), lengths, {info.label: [r.ppl for r in results]},
-                             "perplexity (log scale)", "Sliding-window perplexity (token-weighted)", log_y=True,
-                             mark=info.original)
-        print(f"wrote {out} and {png}", file=sys.stderr)
+    png = line_vs_length(out.with_suffix(".png"), lengths, {info.label: [r.ppl for r in results]},
+                         "perplexity (log scale)", "Sliding-window perplexity (token-weighted)", log_y=True,
+                         mark=info.original)
+    print(f"wrote {out} and {png}", file=sys.stderr)
     return results
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """An evaluation forward pass: fast CPU attention, and the output head only where logits are needed.
 
-`eval_logits(model, inputs, cache, last_only)` runs `model` under `pose_mlx.cpu_attention.fast_attention`
+`eval_logits(model, inputs, cache, last_only)` runs `model` under `pose_mlx.eval.cpu_attention.fast_attention`
 (a no-op off the CPU). With `last_only` it returns the logits of the last position only, (B, 1, vocab):
 generation and passkey prompts need nothing else, and at SmolLM2-135M's size the head (hidden x vocab) costs
 as much as 8 transformer layers per token. That needs the model's hidden states before the head, which
@@ -12,7 +12,6 @@ runs and its last row is returned.
 from __future__ import annotations
 
 from typing import Callable
-
 
 import mlx.core as mx
 import mlx.nn as nn

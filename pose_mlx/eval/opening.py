@@ -1,0 +1,78 @@
+"""The opening the evaluators share (`passkey`, `perplexity`, `ruler`): from the command line to a loaded model,
+the lengths to run, a memory check and the output path.
+
+`open_evaluation(kind, args, check=, fit=, answer=)`, with `args` the command's settings (`longctx.EvalSettings`
+plus the command's, `lengths` and `output` among them, filled by its `main` from the command line or built by a
+caller), does, in this order (its start is the run's `started`, for `longctx.run_cost`):
+
+1. check `--chunk`, then `--output` (a place the command may write), then `check(args)`: the command's flags;
+2. check the `--lengths` grammar (a length in `x` needs the model's window, so only the grammar here);
+3. load `--model` (`longctx.load_eval_model`, with `--schedule/--target/--original`) and resolve `--lengths`
+   (default: doubling from half the original window to the model's maximum);
+4. `fit(args, info, lengths)`: the lengths the command runs, or a refusal (default: all of them);
+5. the memory check of the longest length (`longctx.check_memory`, refused above this machine's memory unless
+   `--force`): a prompt of that length and `answer` generated tokens with the last position's logits, or with
+   `answer` None every position's logits (scoring). `answer` is a number or a function of the arguments.
+
+Each refusal is a `UserError` (one line on stderr, exit code 2) raised before anything is written; nothing is
+loaded before step 3. The command then makes its own checks of the loaded model and calls `announce(*notes)`,
+which says on stderr "model PATH: schedule S; original window O, max M; [NOTES; ]memory estimate E" and returns
+the output path: `--output`, or `<kind>-<model name>.json` in the current folder (also said on stderr).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from . import longctx
+from ..places import check_output
+
+
+@dataclass
+class Opening:
+    """What an evaluator starts from: its arguments, model, lengths and memory estimate."""
+
+    kind: str  # "passkey", "perplexity", "ruler": the default output is <kind>-<model name>.json
+    args: longctx.EvalSettings  # the command's settings
+    started: float  # time.perf_counter() before parsing
+    info: longctx.EvalModel
+    lengths: list[int]
+    estimate: str  # the predicted peak memory in words
+
+    def announce(self, *notes: str) -> Path:
+        """The model line on stderr (with the command's `notes`), then the output path (see the module)."""
+        info = self.info
+        print("; ".join([f"model {info.path}: schedule {info.schedule}", f"original window {info.original}, "
+                         f"max {info.maximum}", *notes, f"memory estimate {self.estimate}"]), file=sys.stderr)
+        return longctx.default_output(self.kind, info, self.args.output)
+
+
+def open_evaluation(kind: str, args, *, check: Callable[[longctx.EvalSettings], None] | None = None,
+                    fit: Callable[[longctx.EvalSettings, longctx.EvalModel, list[int]], list[int]] | None = None,
+                    answer: int | Callable[[longctx.EvalSettings], int] | None = None) -> Opening:
+    """Steps 1-5 of the module's docstring."""
+    started = time.perf_counter()
+    longctx.check_chunk(args.chunk)
+    if args.output:
+        check_output("--output", args.output)
+    if check is not None:
+        check(args)
+    if args.lengths:
+        longctx.parse_lengths(args.lengths, 1)
+    info = longctx.load_eval_model(args.model, args.schedule, args.target, args.original)
+    lengths = longctx.resolve_lengths(args.lengths, info)
+    if fit is not None:
+        lengths = fit(args, info, lengths)
+    if answer is None:
+        estimate = longctx.check_memory(info, lengths, args.chunk, args.force)
+    else:
+        tokens = answer(args) if callable(answer) else answer
+        estimate = longctx.check_memory(info, [max(lengths) + tokens], args.chunk, args.force, all_logits=False)
+    return Opening(kind, args, started, info, lengths, estimate)
+
+
+__all__ = ["Opening", "open_evaluation"]
