@@ -10,7 +10,8 @@ the tests start inherit it. On the CPU backend it changes nothing. Comparisons o
 their dtype's precision from `_precision`.
 
 `cpu_only(reason)` marks a test that exercises something only the CPU backend has (the NumPy attention of
-`pose_mlx.eval.cpu_attention`, memory measured on the CPU's allocator): it is skipped on Metal and CUDA, with the reason.
+`pose_mlx.eval.cpu_attention`, memory measured on the CPU's allocator): it is skipped on Metal and CUDA, with the
+reason.
 """
 
 import os
