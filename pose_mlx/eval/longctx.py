@@ -29,9 +29,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
+from .. import memory
 from ..errors import ArgumentParser, UserError
 from ..lengths import default_lengths, parse_length, parse_lengths
-from ..memory import available_memory, eval_memory, format_size
 from ..model import source
 from ..model.patch import extend, reschedule, use_length
 from .forward import eval_logits
@@ -227,16 +227,16 @@ def check_memory(info: "EvalModel", lengths: list[int], chunk: int, force: bool 
     one chunk's scores, logits - every position's, or the last one's when not `all_logits` - and activations)
     against the memory this machine offers: UserError above it, or only a warning with `force`. Returns the
     prediction in words."""
-    estimate = eval_memory(info.config, max(lengths), chunk, all_logits=all_logits)
+    estimate = memory.eval_memory(info.config, max(lengths), chunk, all_logits=all_logits)
     parts = {k.replace("_", " "): v for k, v in estimate.breakdown.items() if v}
     if estimate.details["numpy_bytes"]:
         parts["attention tiles (NumPy)"] = estimate.details["numpy_bytes"]
     total = estimate.peak + estimate.details["numpy_bytes"]
-    described = (f"{format_size(total)} at {max(lengths)} tokens ("
-                 + ", ".join(f"{k} {format_size(v)}" for k, v in parts.items()) + ")")
-    available, where = available_memory()
+    described = (f"{memory.format_size(total)} at {max(lengths)} tokens ("
+                 + ", ".join(f"{k} {memory.format_size(v)}" for k, v in parts.items()) + ")")
+    available, where = memory.available_memory()
     if total > available:
-        message = (f"--lengths: evaluation needs about {described}, more than the {format_size(available)} this "
+        message = (f"--lengths: evaluation needs about {described}, more than the {memory.format_size(available)} this "
                    f"machine offers ({where}); use shorter --lengths or a smaller --chunk (or --force)")
         if not force:
             raise UserError(message)
