@@ -2,9 +2,9 @@
 
 Stages (each cached on disk under ``--out``; a rerun skips finished stages and resumes interrupted training):
 corpus (`corpus`) -> pre-training at Lc (`pretrain`) -> the grid of fine-tuning runs, each one call of
-`pose_mlx.finetune.run` with its `RunSettings` (`grid`) -> evaluation through `pose_mlx.eval.perplexity.run` /
-`pose_mlx.eval.passkey.run` / `pose_mlx.eval.ruler.run` with theirs (`grid`) -> claims (`claims`) -> report.md, results.json,
-PNGs (`report`).
+`pose_mlx.finetune.run` with its `RunSettings` (`grid`) -> evaluation through
+`pose_mlx.eval.perplexity.run` / `pose_mlx.eval.passkey.run` / `pose_mlx.eval.ruler.run` with theirs (`grid`) ->
+claims (`claims`) -> report.md, results.json, PNGs (`report`).
 """
 
 from pathlib import Path

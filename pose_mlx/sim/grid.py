@@ -1,6 +1,6 @@
 """The grid: every run is one call of `pose_mlx.finetune.run`, every evaluation one call of
-`pose_mlx.eval.perplexity.run` / `pose_mlx.eval.passkey.run` / `pose_mlx.eval.ruler.run`, each with its typed settings (their
-JSON outputs are what the report reads).
+`pose_mlx.eval.perplexity.run` / `pose_mlx.eval.passkey.run` / `pose_mlx.eval.ruler.run`, each with its typed
+settings (their JSON outputs are what the report reads).
 
 Runs train on the same number of tokens: `steps` updates of `full_batch` sequences of Lt tokens (full-length)
 or `full_batch * Lt / Lc` sequences of Lc tokens (every other method). 'Original' and the schedule-only
