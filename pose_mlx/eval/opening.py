@@ -38,7 +38,7 @@ class Opening:
 
     kind: str  # "passkey", "perplexity", "ruler": the default output is <kind>-<model name>.json
     args: longctx.EvalSettings  # the command's settings
-    started: float  # time.perf_counter() before parsing
+    started: float  # time.perf_counter() when the opening began
     info: longctx.EvalModel
     lengths: list[int]
     estimate: str  # the predicted peak memory in words
@@ -51,7 +51,7 @@ class Opening:
         return longctx.default_output(self.kind, info, self.args.output)
 
 
-def open_evaluation(kind: str, args, *, check: Callable[[longctx.EvalSettings], None] | None = None,
+def open_evaluation(kind: str, args: longctx.EvalSettings, *, check: Callable[[longctx.EvalSettings], None] | None = None,
                     fit: Callable[[longctx.EvalSettings, longctx.EvalModel, list[int]], list[int]] | None = None,
                     answer: int | Callable[[longctx.EvalSettings], int] | None = None) -> Opening:
     """Steps 1-5 of the module's docstring."""
