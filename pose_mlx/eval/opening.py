@@ -51,7 +51,8 @@ class Opening:
         return longctx.default_output(self.kind, info, self.args.output)
 
 
-def open_evaluation(kind: str, args: longctx.EvalSettings, *, check: Callable[[longctx.EvalSettings], None] | None = None,
+def open_evaluation(kind: str, args: longctx.EvalSettings, *,
+                    check: Callable[[longctx.EvalSettings], None] | None = None,
                     fit: Callable[[longctx.EvalSettings, longctx.EvalModel, list[int]], list[int]] | None = None,
                     answer: int | Callable[[longctx.EvalSettings], int] | None = None) -> Opening:
     """Steps 1-5 of the module's docstring."""
