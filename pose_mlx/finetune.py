@@ -86,10 +86,12 @@ def run(args) -> Path:
 def _main(argv=None) -> int:
     import warnings
 
+    from .model.patch import ScalingReplaced
     from .settings import parse_invocation
 
-    warnings.filterwarnings("ignore", message=".*already applies a RoPE scaling")  # the plan says it in one line
-    run(parse_invocation(argv))
+    with warnings.catch_warnings():  # the plan says it in one warning line
+        warnings.simplefilter("ignore", ScalingReplaced)
+        run(parse_invocation(argv))
     return 0
 
 
