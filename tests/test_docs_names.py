@@ -1,6 +1,7 @@
 """Every `pose_mlx.<name>` that the docs, the READMEs and the code's comments and docstrings mention exists:
-dotted names import (the longest module prefix) and resolve attribute by attribute, and every
-`python -m pose_mlx.<module>` is a runnable module. Upper-case placeholders (`pose_mlx.COMMAND`) are skipped."""
+dotted names import (the longest module prefix) and resolve attribute by attribute; every
+`python -m pose_mlx.<module>` is a runnable module and every `python -m benchmarks.<script>` a file in
+benchmarks/. Upper-case placeholders (`pose_mlx.COMMAND`) are skipped."""
 
 import importlib
 import importlib.util
@@ -14,6 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 NAME = re.compile(r"(?<![\w/])pose_mlx(?:\.[A-Za-z_]\w*)+")
 COMMAND = re.compile(r"python -m (pose_mlx(?:\.\w+)*)")
+BENCHMARK = re.compile(r"python -m benchmarks\.(\w+)")
 SUFFIX = re.compile(r"\.(py|json|md)$")  # a file name, not a dotted name
 
 
@@ -86,3 +88,9 @@ def test_every_documented_command_is_a_module(path):
         assert spec is not None, f"{path.name}: python -m {module}: no such module"
         if spec.submodule_search_locations is not None:  # a package runs its __main__
             assert importlib.util.find_spec(f"{module}.__main__") is not None, f"{path.name}: {module} has no __main__"
+
+
+@pytest.mark.parametrize("path", _docs(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_documented_benchmark_exists(path):
+    for script in set(BENCHMARK.findall(path.read_text())):
+        assert (ROOT / "benchmarks" / f"{script}.py").is_file(), f"{path.name}: python -m benchmarks.{script}"
