@@ -1,7 +1,7 @@
 """Every `pose_mlx.<name>` that the docs, the READMEs and the code's comments and docstrings mention exists:
 dotted names import (the longest module prefix) and resolve attribute by attribute; every
 `python -m pose_mlx.<module>` is a runnable module and every `python -m benchmarks.<script>` a file in
-benchmarks/. Upper-case placeholders (`pose_mlx.COMMAND`) are skipped."""
+benchmarks/."""
 
 import importlib
 import importlib.util
@@ -44,13 +44,14 @@ def _mentions() -> dict[str, set[str]]:
     for path in _docs() + _sources():
         for match in NAME.finditer(_prose(path)):
             name = SUFFIX.sub("", match.group(0))  # pose_mlx.json: a file, no name
-            if "." in name and not name.split(".")[1].isupper():  # pose_mlx.COMMAND: a placeholder
+            if "." in name:
                 found.setdefault(name, set()).add(str(path.relative_to(ROOT)))
     return found
 
 
 def resolve(name: str) -> str | None:
-    """None if `name` resolves, else why not."""
+    """None if `name` resolves (or ends in an upper-case placeholder that does not: `pose_mlx.COMMAND`,
+    `pose_mlx.eval.NAME`), else why not."""
     parts = name.split(".")
     for i in range(len(parts), 0, -1):
         module = ".".join(parts[:i])
@@ -60,8 +61,10 @@ def resolve(name: str) -> str | None:
         except ModuleNotFoundError:  # a parent is a module, not a package
             continue
         obj = importlib.import_module(module)
-        for part in parts[i:]:
+        for j, part in enumerate(parts[i:], i):
             if not hasattr(obj, part):
+                if j == len(parts) - 1 and part.isalpha() and part.isupper():
+                    return None
                 return f"{module} has no {'.'.join(parts[i:])}"
             obj = getattr(obj, part)
         return None
@@ -72,6 +75,7 @@ def test_the_resolver_tells_stale_names():
     assert resolve("pose_mlx.training.loop.make_update") is None and resolve("pose_mlx.extend") is None
     assert resolve("pose_mlx.train.make_update") == "pose_mlx has no train.make_update"
     assert resolve("pose_mlx.toy.build_model") == "pose_mlx.toy has no build_model"
+    assert resolve("pose_mlx.COMMAND") is None and resolve("pose_mlx.NAME.main") == "pose_mlx has no NAME.main"
 
 
 def test_every_mentioned_name_exists():
