@@ -10,7 +10,7 @@ random-weight llama in worker processes:
             direct      this script starts both ranks with the environment `mlx.launch` gives them (a hostfile
                         in MLX_HOSTFILE, MLX_RANK), nothing else running;
             mlx.launch  `mlx.launch -n 2 --backend ring`. Its relay threads poll the ranks' pipes in a loop that
-                        never blocks (the rank's stdin is always writable), about one core of this 2-core machine
+                        never blocks (the rank's stdin is always writable), about one core (half of a 2-core CPU)
                         while the ranks run: the CPU seconds of the launcher (all CPU seconds of the command
                         minus the ranks' own) are recorded.
 

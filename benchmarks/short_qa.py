@@ -1,7 +1,7 @@
 """Short-context regression of the real-model runs: 40 one-line factual questions, greedy chat answers.
 
-The analogue, for an instruct model small enough for this CPU, of PoSE's Table 3 (standard short benchmarks
-before and after extension): does an extension change what the model answers when the context is short? Each
+The analogue, for an instruct model small enough for a CPU with few cores, of PoSE's Table 3 (standard short
+benchmarks before and after extension): does an extension change what the model answers when the context is short? Each
 question is asked alone in the model's chat template; an answer is correct when it contains one of the
 reference strings (case-insensitive). The questions are written for this benchmark, with short unambiguous
 answers a 135M instruct model knows at least in part.

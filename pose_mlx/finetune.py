@@ -17,6 +17,7 @@ rank 0 tokenizes first, writes every file and prints progress; the other ranks r
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 from .errors import command
@@ -53,9 +54,16 @@ def header(plan) -> str:
 
 def run(args) -> Path:
     """Carry out the run whose validated settings are `args` (a `pose_mlx.settings.Invocation`); returns the
-    output folder."""
-    import warnings
+    output folder. `extend`'s warning that a schedule replaces the config's is silenced for the run: the plan
+    says it in one line."""
+    from .model.patch import ScalingReplaced  # here: model.patch loads MLX, which `--help` never needs
 
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ScalingReplaced)
+        return _run(args)
+
+
+def _run(args) -> Path:
     from .model.export import export_run
     from .model.source import load
     from .model.patch import extend, reschedule, use_positions
@@ -63,7 +71,6 @@ def run(args) -> Path:
     from .training.lora import weights_writer
     from .training.stage import fine_tune
 
-    warnings.filterwarnings("ignore", message=".*already applies a RoPE scaling")  # the plan says it in one line
     plan = make_plan(args)
     if plan.world.is_main:  # on stdout: stderr keeps its one line for bad input found later (data, disk)
         print(header(plan), flush=True)

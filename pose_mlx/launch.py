@@ -5,8 +5,9 @@
 Starts N processes of COMMAND with the environment `mlx.launch -n N --backend ring` gives local ranks: a hostfile
 of one loopback address per rank in MLX_HOSTFILE and the rank in MLX_RANK. What it leaves out is mlx.launch's
 output relay, whose per-rank threads wait on an always-writable pipe to the rank's stdin and so never block:
-where the ranks use every core (2 ranks on this 2-core machine) that loop takes CPU from them, and 2 ranks run at
-0.63x one process under mlx.launch but 1.92x started directly (benchmarks/results/distributed_window1024.json).
+where the ranks use every core (e.g. 2 ranks on a 2-core CPU) that loop takes CPU from them: on a 2-core Linux
+CPU, 2 ranks ran at 0.63x one process under mlx.launch but 1.92x started directly
+(benchmarks/results/distributed_window1024.json).
 
 The ranks inherit this terminal (stdin from /dev/null): pose_mlx commands print from rank 0 only. They share the
 launcher's process group, so Ctrl-C reaches every rank at once, as it reaches one process; SIGTERM and SIGHUP sent

@@ -4,8 +4,8 @@ PoSE's premise is that training memory depends on the training window, not on th
 turns that into numbers before a single weight is loaded. Inputs are shapes and dtypes only (a Hugging Face
 style config dict and the run's settings); nothing here imports MLX at module level.
 
-One training step (what `pose_mlx.train` logs as `peak_memory_gb`, from the second step on, once the AdamW
-state exists) peaks at
+One training step (what `pose_mlx.training.loop.train` logs as `peak_memory_gb`, from the second step on, once
+the AdamW state exists) peaks at
 
     weights + LoRA adapters + AdamW state (2 x trainable x their bytes) + max(head, backward, update)
 

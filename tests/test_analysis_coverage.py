@@ -95,8 +95,9 @@ def test_paper_size_two_chunks_fast_and_sane():
 def test_examples_to_cover():
     n = examples_to_cover(np.array([1.0, 0.5, 0.1, 0.0]), p=0.9)
     assert n[0] == 1 and n[1] == 4 and n[2] == 22 and np.isinf(n[3])  # 0.5^4 < 0.1 <= 0.5^3; 0.9^22 < 0.1
-    with pytest.raises(ValueError, match="p"):
-        examples_to_cover(np.ones(3), p=1.0)
+    for p in (1.0, 0.0):
+        with pytest.raises(ValueError, match=rf"^p must be in \(0, 1\), got {p}$"):
+            examples_to_cover(np.ones(3), p=p)
 
 
 def test_bad_arguments():

@@ -71,7 +71,7 @@ def test_sine_similarity_is_angle_between_images():
 def test_helix_and_errors():
     h = helix([0.0, np.pi / 2], a=2.0)
     np.testing.assert_allclose(h, [[1, 0, 0], [0, 1, 0]], atol=1e-12)
-    with pytest.raises(ValueError, match="alpha"):
+    with pytest.raises(ValueError, match=r"^give exactly one of alpha \(PI\) or beta \(ABF\)$"):
         granularity_constant(128, 1e4)
     with pytest.raises(ValueError, match="head_dim"):
         granularity_constant(127, 1e4, alpha=0.5)

@@ -166,8 +166,9 @@ def test_help_lists_every_schedule_and_its_parameters(capsys):
 
     from pose_mlx.rope import SCHEDULES
 
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exc:
         main(["--help"])
+    assert exc.value.code == 0
     out = capsys.readouterr().out
     section = out.split("--schedule-param keys with defaults:")[1].split("deprecated flags")[0]
     lines = {line.split()[0]: line for line in section.splitlines() if line.strip()}

@@ -135,9 +135,20 @@ def test_resume_without_partial_and_partial_without_resume(tiny_model, text_dir,
 
 
 def test_warnings_double_scaling_and_factor(tiny_model, tmp_path, capsys):
+    """The plan's warning lines say it; `extend`'s Python warning (ScalingReplaced) is silenced during the run
+    only: the process's warning filters are the same afterwards."""
+    import warnings as py_warnings
+
+    from pose_mlx.model.patch import ScalingReplaced
+
     folder = with_config(tiny_model, tmp_path / "m", rope_scaling={"rope_type": "linear", "factor": 2.0})
-    code = main([f"--model={folder}", "--target=8x", "--original=32", "--sampler=none",
-                 f"--output={tmp_path / 'o'}", "--schedule-param", "factor=4"])
+    with py_warnings.catch_warnings(record=True) as caught:
+        py_warnings.simplefilter("always")
+        filters = list(py_warnings.filters)
+        code = main([f"--model={folder}", "--target=8x", "--original=32", "--sampler=none",
+                     f"--output={tmp_path / 'o'}", "--schedule-param", "factor=4"])
+        assert py_warnings.filters == filters
+    assert not [w for w in caught if issubclass(w.category, ScalingReplaced)]
     err = capsys.readouterr().err
     assert code == 0, err
     warnings = [line for line in err.splitlines() if line.startswith("warning:")]

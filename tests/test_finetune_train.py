@@ -52,7 +52,7 @@ def test_parse_param():
     assert parse_param("truncate=False") == ("truncate", False)
     assert parse_param("truncate=true") == ("truncate", True)
     assert parse_param("attention_factor=None") == ("attention_factor", None)
-    with pytest.raises(UserError):
+    with pytest.raises(UserError, match="^--schedule-param 'novalue' must look like key=value$"):
         parse_param("novalue")
 
 
@@ -183,7 +183,7 @@ def test_non_finite_weights_are_never_checkpointed(tmp_path):
     key = next(k for k, _ in tree_flatten(model.trainable_parameters()))
     model.load_weights([(key, mx.full(dict(tree_flatten(model.parameters()))[key].shape, float("nan")))],
                        strict=False)
-    with pytest.raises(NonFiniteWeights):
+    with pytest.raises(NonFiniteWeights, match="^a trainable parameter is not finite at step 2$"):
         save_checkpoint(tmp_path, 2, model, opt, {})
     assert read_state(tmp_path)["step"] == 1 and not (tmp_path / "weights-2.safetensors").exists()
 

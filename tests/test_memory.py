@@ -250,9 +250,15 @@ def test_parse_size(text, expected):
     assert memory.parse_size(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "GB", "12QB", "-3G", "0", "1iB", "lots", True])
-def test_parse_size_rejects(text):
-    with pytest.raises(UserError, match="size"):
+@pytest.mark.parametrize("text, reason", [("", "is not a size: use e.g."), ("GB", "is not a size: use e.g."),
+                                          ("12QB", "is not a size: use e.g."), ("-3G", "is not a size: use e.g."),
+                                          ("0", "must be at least one byte"), ("1iB", "is not a size: use e.g."),
+                                          ("lots", "is not a size: use e.g."), (True, "is not a size"),
+                                          (0, "must be positive"), (float("inf"), "must be positive")])
+def test_parse_size_rejects(text, reason):
+    import re
+
+    with pytest.raises(UserError, match=f"^{re.escape(f'memory size {text!r} {reason}')}"):
         memory.parse_size(text)
 
 

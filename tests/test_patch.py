@@ -10,7 +10,7 @@ from mlx_lm.tuner.trainer import grad_checkpoint
 
 from pose_mlx import extend, use_positions
 from pose_mlx.errors import UserError
-from pose_mlx.model.patch import PositionRoPE, find_rope_modules, save_extension
+from pose_mlx.model.patch import PositionRoPE, ScalingReplaced, find_rope_modules, save_extension
 from pose_mlx.training.positions import pose_position_ids
 
 from conftest import FAMILY_CONFIGS, VOCAB, build_model
@@ -187,7 +187,7 @@ def test_yarn_matches_mlx_lm_yarn():
 def test_existing_scaling_is_replaced_with_warning():
     model = build_model("llama", rope_scaling={"type": "linear", "factor": 2.0})
     assert find_rope_modules(model)[0][1].scale == 0.5
-    with pytest.warns(UserWarning, match="replaced"):
+    with pytest.warns(ScalingReplaced, match="already applies a RoPE scaling .*replaced by 'linear'"):
         extend(model, "linear", 64, 512)
     rope = find_rope_modules(model)[0][1]
     theta = 500.0 ** (-np.arange(0, 8, 2) / 8)

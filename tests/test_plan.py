@@ -241,7 +241,7 @@ def test_align_rows_auto_is_on_only_with_cuda():
     assert [row_multiple("auto", b) for b in ("cpu", "metal", "cuda")] == [1, 1, 128]
     assert [row_multiple("on", b) for b in ("cpu", "metal", "cuda")] == [128, 128, 128]
     assert [row_multiple("off", b) for b in ("cpu", "metal", "cuda")] == [1, 1, 1]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="^align_rows must be auto, on or off, got 'yes'$"):
         row_multiple("yes", "cpu")
 
 

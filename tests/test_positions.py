@@ -386,5 +386,5 @@ def test_pose_middle_without_room_is_contiguous_and_truncated_normal_respects_it
     low = sum(d <= 2.25 for d in draws)
     assert low > 500 - low
     assert truncated_normal(5.0, 1.0, 3.0, 3.0, rng) == 3.0
-    with pytest.raises(ValueError, match="sigma"):
+    with pytest.raises(ValueError, match="^need sigma > 0 and low <= high, got sigma=0.0"):
         truncated_normal(0.0, 0.0, 0.0, 1.0, rng)

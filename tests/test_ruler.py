@@ -137,8 +137,9 @@ def test_fit_size_finds_the_largest_fitting_size():
         n = rt.fit_size(count, budget, 0)
         assert count(n) <= budget < count(n + 1)
         assert rt.fit_size(count, budget, 0, guess=n + 40) == n == rt.fit_size(count, budget, 0, guess=1)
-    with pytest.raises(rt.TooShort):
+    with pytest.raises(rt.TooShort) as short:  # the fixed part alone, count(low) = 100, exceeds the budget
         rt.fit_size(lambda n: 100 + n, 99, 0)
+    assert short.value.tokens == 100
 
 
 def _noise_units(text: str) -> int:
@@ -481,8 +482,9 @@ def test_min_tokens_of_the_help_are_smollm2s(smollm2):
     builder = rt.PromptBuilder(smollm2[2], samples=1)
     for task, n in ruler.MIN_TOKENS.items():
         builder.sample(task, n, 0)
-        with pytest.raises(rt.PromptTooShort):
+        with pytest.raises(rt.PromptTooShort, match=f"^--lengths: {n - 8} tokens is too short for {task} ") as short:
             builder.sample(task, n - 8, 0)
+        assert short.value.tokens > n - 8  # the fixed part alone is longer than the length asked for
 
 
 def test_module_entry_point_reports_bad_input_in_one_line(tmp_path):

@@ -90,7 +90,7 @@ def test_mean_ci95_by_hand():
 def test_binned_by_hand():
     nll = np.array([[1.0, 2.0, 3.0, 4.0, 5.0], [3.0, 4.0, 5.0, 6.0, 7.0]])
     assert position_nll.binned(nll, 2) == {"positions": [1, 3, 5], "nll": [2.5, 4.5, 6.0], "windows": 2}
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="^bin_width must be >= 1, got 0$"):
         position_nll.binned(nll, 0)
 
 

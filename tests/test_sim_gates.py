@@ -31,8 +31,12 @@ def test_unigram_ppl_by_hand():
     assert unigram_ppl(np.array([0, 0, 1]), np.array([0, 2]), 3) == pytest.approx(math.sqrt(12))
     # no training text: uniform, ppl = V
     assert unigram_ppl(np.array([], np.int64), np.array([4, 1, 1]), 7) == pytest.approx(7)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^token ids must be in \[0, 3\)$"):  # 5 in the training text
         unigram_ppl(np.array([0, 5]), np.array([0]), 3)
+    with pytest.raises(ValueError, match=r"^token ids must be in \[0, 3\)$"):  # -1 in the test text
+        unigram_ppl(np.array([0]), np.array([-1]), 3)
+    with pytest.raises(ValueError, match="^no test tokens$"):
+        unigram_ppl(np.array([0]), np.array([], np.int64), 3)
 
 
 def test_no_context_ppl_uniform_and_against_the_model_s_first_position():
@@ -54,7 +58,7 @@ def test_sink_share_of_uniform_attention(kv_heads):
     model = _zeroed(_model(kv_heads), "k_proj")
     expected = sum(1 / (i + 1) for i in range(1, n)) / (n - 1)
     assert sink_share(model, np.arange(3, 3 + n)) == pytest.approx(expected, rel=1e-5)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="^sink_share needs one sequence of at least 2 tokens$"):
         sink_share(model, np.array([3]))
 
 
@@ -70,7 +74,7 @@ def test_far_attention_of_uniform_attention(kv_heads):
     # a trained-like model differs from uniform: random keys move weight between near and far
     other = far_attention(_model(kv_heads, seed=4), np.arange(3, 13), 4)
     assert other["uniform_share"] == pytest.approx(expected) and other["far_share"] != pytest.approx(expected)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^far_attention needs one sequence longer than the window \(4\)"):
         far_attention(model, np.arange(4), 4)
 
 

@@ -223,6 +223,10 @@ def _config_key(model: nn.Module, base: float) -> str | None:
     return None
 
 
+class ScalingReplaced(UserWarning):
+    """`extend` replaced a RoPE scaling that the model already applied (computed afresh from the raw base)."""
+
+
 def _describe(path: str, module: nn.Module, model: nn.Module) -> tuple[int, bool, float, bool]:
     """(rotary dims, traditional layout, raw base, already scaled?) of an existing RoPE layer."""
     if isinstance(module, PositionRoPE):
@@ -270,7 +274,7 @@ def extend(model: nn.Module, schedule: str, original: int, target: int, **params
         dims, traditional, base, scaled = _describe(path, module, model)
         if scaled and not layers:
             warnings.warn(f"{path} already applies a RoPE scaling ({type(module).__name__}); it is replaced by "
-                          f"'{schedule}' computed from the raw base {base:g}", stacklevel=2)
+                          f"'{schedule}' computed from the raw base {base:g}", ScalingReplaced, stacklevel=2)
         layers.append((path, dims, traditional, base))
     return _install(model, layers, schedule, original, target, params)
 
@@ -395,5 +399,5 @@ def apply_saved_extension(model: nn.Module, record_path: str | Path) -> Extensio
         return extend(model, schedule, original, target, factor=s["factor"], **s["params"])
 
 
-__all__ = ["Extension", "PositionRoPE", "RopeLayer", "apply_saved_extension", "extend", "find_rope_modules",
+__all__ = ["Extension", "PositionRoPE", "RopeLayer", "ScalingReplaced", "apply_saved_extension", "extend", "find_rope_modules",
            "reschedule", "save_extension", "use_length", "use_positions"]
