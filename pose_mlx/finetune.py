@@ -56,17 +56,9 @@ def run(args) -> Path:
     """Carry out the run whose validated settings are `args` (a `pose_mlx.settings.Invocation`); returns the
     output folder. `extend`'s warning that a schedule replaces the config's is silenced for the run: the plan
     says it in one line."""
-    from .model.patch import ScalingReplaced  # here: model.patch loads MLX, which `--help` never needs
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ScalingReplaced)
-        return _run(args)
-
-
-def _run(args) -> Path:
     from .model.export import export_run
     from .model.source import load
-    from .model.patch import extend, reschedule, use_positions
+    from .model.patch import ScalingReplaced, extend, reschedule, use_positions
     from .plan import make_plan
     from .training.lora import weights_writer
     from .training.stage import fine_tune
@@ -75,16 +67,18 @@ def _run(args) -> Path:
     if plan.world.is_main:  # on stdout: stderr keeps its one line for bad input found later (data, disk)
         print(header(plan), flush=True)
     try:
-        model, tokenizer = load(plan.model, apply_schedule=False)
-        s = plan.settings
-        if s.sampler == "plain":  # ordinary fine-tuning: original RoPE while training, the schedule at export
-            extend(model, "none", plan.original, plan.target)
-            summary = fine_tune(model, tokenizer, plan, use_positions)
-            extension = reschedule(model, s.schedule, plan.original, plan.target, **s.schedule_params)
-        else:
-            extension = extend(model, s.schedule, plan.original, plan.target, **s.schedule_params)
-            summary = fine_tune(model, tokenizer, plan, use_positions)
-        output = export_run(model, extension, plan, summary, weights_writer(plan.lora, s.fuse))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ScalingReplaced)
+            model, tokenizer = load(plan.model, apply_schedule=False)
+            s = plan.settings
+            if s.sampler == "plain":  # ordinary fine-tuning: original RoPE while training, the schedule at export
+                extend(model, "none", plan.original, plan.target)
+                summary = fine_tune(model, tokenizer, plan, use_positions)
+                extension = reschedule(model, s.schedule, plan.original, plan.target, **s.schedule_params)
+            else:
+                extension = extend(model, s.schedule, plan.original, plan.target, **s.schedule_params)
+                summary = fine_tune(model, tokenizer, plan, use_positions)
+            output = export_run(model, extension, plan, summary, weights_writer(plan.lora, s.fuse))
     except BaseException:
         plan.release(failed=True)
         raise
