@@ -6,6 +6,8 @@ it) and does not import MLX itself, so NumPy-only parts (`pose_mlx.training.posi
 first use.
 """
 
+import importlib
+
 from . import backend as _backend
 
 _backend.load_fast_blas()
@@ -33,7 +35,5 @@ __all__ = sorted(_LAZY) + ["__version__"]
 
 def __getattr__(name):
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'pose_mlx' has no attribute {name!r}")

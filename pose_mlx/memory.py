@@ -52,6 +52,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from .errors import UserError
@@ -291,8 +292,6 @@ def gguf_loaded(arch: Architecture, tensors, backend: str) -> Architecture:
     all-F32 file, bfloat16 when it has BF16 tensors, else float16) with Q8_0/Q4_0/Q4_1 matrices kept as MLX's
     affine quantization (group 32: bits/8 bytes per value, a scale and a bias per group in that precision).
     The activations follow the same dtype; the weights' bytes are summed tensor by tensor (`loaded_bytes`)."""
-    from collections import Counter
-
     quant = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}
     tensors = [(str(kind), tuple(int(n) for n in shape)) for kind, shape in tensors]
     kinds = {kind for kind, _ in tensors}

@@ -28,7 +28,7 @@ import os
 import shutil
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import memory
@@ -396,8 +396,6 @@ def planned_run(argv) -> tuple[RunSettings, source.ModelRef, dict, memory.TrainS
 
 @command("pose_mlx.plan")
 def main(argv=None) -> int:
-    from dataclasses import asdict
-
     argv = list(sys.argv[1:] if argv is None else argv)
     s, ref, config, settings = planned_run(argv)
     arch = memory.loaded_architecture(config, ref, settings.backend)

@@ -14,9 +14,14 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
+import os
 import re
+import socket
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from ..errors import UserError
 
@@ -95,11 +100,7 @@ def hub_reachable(timeout: float = 3.0) -> bool:
     """Whether a TCP connection to the hub's endpoint (HF_ENDPOINT) opens within `timeout` seconds. False under
     HF_HUB_OFFLINE; True behind a proxy (HTTP(S)_PROXY), which only the HTTP client can go through. Without this
     probe an unreachable hub costs about 30 s of retries before huggingface_hub gives up."""
-    import os
-    import socket
-    from urllib.parse import urlsplit
-
-    from huggingface_hub import constants
+    from huggingface_hub import constants  # here: only a hub lookup needs the hub client
 
     if constants.HF_HUB_OFFLINE:
         return False
@@ -163,8 +164,6 @@ def check_config(config: dict, name: str) -> dict:
     """`config` when the keys the model is built from have their JSON types (sizes are positive integers, a
     RoPE base a finite number > 1, rope_scaling an object or null; also inside a multimodal `text_config`);
     UserError naming the first bad key otherwise. mlx-lm would fail on them deep inside, or not at all."""
-    import math
-
     scopes = [("", config)]
     if isinstance(config.get("text_config"), dict):
         scopes.append(("text_config.", config["text_config"]))
@@ -249,9 +248,6 @@ def quiet_transformers() -> None:
     """Quiet transformers' notices and warnings while models load (set TRANSFORMERS_VERBOSITY to see them; under
     mlx.launch they would print once per rank): the variable is read at import, and transformers is often
     imported (by mlx_lm) before this runs, so it is set directly too."""
-    import os
-    import sys
-
     if "TRANSFORMERS_VERBOSITY" not in os.environ:
         os.environ["TRANSFORMERS_VERBOSITY"] = "error"  # no "PyTorch was not found" notice
         if "transformers" in sys.modules:  # e.g. "Unrecognized keys in `rope_parameters`"

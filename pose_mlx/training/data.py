@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import json
 import os
 import re
@@ -671,8 +672,6 @@ def training_data(settings, tokenizer, window: int, target: int, world, backend:
 
     eval_batches = None
     if heldout is not None:
-        import itertools
-
         def eval_batches():  # rank 0 evaluates whole global batches
             return itertools.islice(iter(stream(heldout, settings.seed + 1, sharded=False)), settings.eval_batches)
 

@@ -22,6 +22,7 @@ llama.cpp runs qwen2 with the half-split ("NeoX") RoPE, as Hugging Face does, so
 
 from __future__ import annotations
 
+import importlib
 import math
 import re
 
@@ -225,8 +226,6 @@ def _load_weights(h: Header, config: dict, found: dict[str, TensorInfo], expecte
 
 def _build_model(config: dict):
     """mlx-lm's own Model class for config["model_type"] (parameters are lazy until loaded)."""
-    import importlib
-
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     return module.Model(module.ModelArgs.from_dict(config))
 
