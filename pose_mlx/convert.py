@@ -12,6 +12,8 @@ from __future__ import annotations
 import sys
 
 from .errors import ArgumentParser, command
+from .model.gguf import convert
+from .places import check_output
 
 
 def build_parser() -> ArgumentParser:
@@ -28,9 +30,6 @@ def build_parser() -> ArgumentParser:
 @command("pose_mlx.convert")
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from .model.gguf import convert
-    from .places import check_output
-
     check_output("OUT", args.out)
 
     folder = convert(args.gguf, args.out, keep_quantized=args.keep_quantized, overwrite=args.overwrite)

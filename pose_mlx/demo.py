@@ -27,11 +27,16 @@ import sys
 from pathlib import Path
 
 from . import finetune, toy
-from .eval import passkey, perplexity
 from .errors import ArgumentParser, UserError, command
+from .eval import passkey, perplexity
 from .lengths import parse_length
 from .places import check_output
+from .plots import panels
+from .settings import Invocation, RunSettings, validate
 from .sim import SHIPPED_BASE
+
+# Imported inside functions, on purpose: mlx-lm and the package's MLX-backed modules, each where it is used: they are
+# costly to import or unneeded on the paths that import this module (`--help`, `plan`, the NumPy-only parts).
 
 PRETRAINED = SHIPPED_BASE
 
@@ -71,8 +76,6 @@ def _table(rows: dict[str, dict[int, float]], lengths: list[int]) -> str:
 
 def comparison(path: Path, lengths: list[int], ppl: dict, accuracy: dict, window: int) -> Path:
     """Every run's perplexity (log scale) and passkey accuracy by length, two panels of one PNG."""
-    from .plots import panels
-
     def series(table):
         return {name: [row.get(n, float("nan")) for n in lengths] for name, row in table.items()}
 
@@ -114,8 +117,6 @@ def _window(model: Path) -> int:
 
 def _finetune_settings(args, model: Path, out: Path, train: Path):
     """Step 2, `pose_mlx.finetune`: full PoSE fine-tuning into out/pose, replacing an earlier demo's."""
-    from .settings import Invocation, RunSettings
-
     return Invocation(RunSettings(model=str(model), target=f"{args.factor}x", schedule=args.schedule, data=str(train),
                                   full=True, lr=args.lr, steps=args.steps, warmup=max(1, args.steps // 10),
                                   batch_size=args.batch_size, save_every=0, cache_dir=str(out / "cache"),
@@ -140,8 +141,6 @@ def _check(args) -> None:
 def _check_finetune(args, out: Path, model: Path, window: int) -> None:
     """Step 2's settings validated as finetune will validate them (the schedule's name, the ranges), and the
     target length, before the corpus is written."""
-    from .settings import validate
-
     parse_length(f"{args.factor}x", window, "--factor")
     validate(_finetune_settings(args, model, out, out / "corpus" / "finetune").settings)
 

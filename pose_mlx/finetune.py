@@ -21,13 +21,16 @@ import warnings
 from pathlib import Path
 
 from .errors import command
+from .memory import format_size
+from .settings import parse_invocation
+
+# Imported inside functions, on purpose: the package's MLX-backed modules, each where it is used: they are costly to
+# import or unneeded on the paths that import this module (`--help`, `plan`, the NumPy-only parts).
 
 
 def header(plan) -> str:
     """What the run will do, in three lines, before anything is loaded: the model and its lengths; the schedule,
     sampler, training mode, window and batch; the predicted peak memory and the output folder."""
-    from .memory import format_size
-
     s = plan.settings
     model = s.model if s.model == plan.model.name else f"{s.model} ({plan.model.name})"
     lines = [f"model {model}: original {plan.original} -> target {plan.target} tokens "
@@ -90,8 +93,6 @@ def run(args) -> Path:
 def main(argv=None) -> int:
     """CLI entry point; returns the exit code (0 ok, 2 bad input, 128 + the signal's number when Ctrl-C or
     SIGTERM stopped training after a checkpoint: `pose_mlx.training.loop.Interrupted`, an `errors.Stopped`)."""
-    from .settings import parse_invocation
-
     run(parse_invocation(argv))
     return 0
 

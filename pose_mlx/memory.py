@@ -56,6 +56,11 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from .errors import UserError
+from .model.gguf import read_header
+from .training.data import row_multiple
+
+# Imported inside functions, on purpose: MLX, each where it is used: they are costly to import or unneeded on the
+# paths that import this module (`--help`, `plan`, the NumPy-only parts).
 
 GiB = 2**30
 BACKENDS = ("cpu", "metal", "cuda")
@@ -320,8 +325,6 @@ def loaded_architecture(config: dict, ref=None, backend: str | None = None) -> A
     arch = architecture(config)
     if ref is None or not getattr(ref, "is_gguf", False):
         return arch
-    from .model.gguf import read_header
-
     header = read_header(ref.path)
     return gguf_loaded(arch, [(t.type_name, t.shape) for t in header.tensors.values()],
                        backend or compute_backend())
@@ -833,8 +836,6 @@ def run_settings(run, window: int, target: int | None, backend: str | None = Non
     """The memory model's view of a fine-tuning run's settings (`pose_mlx.settings.RunSettings`) at the resolved
     training window and target, on `backend` (default: where MLX computes), with the rows it really trains
     (--align-rows)."""
-    from .training.data import row_multiple
-
     backend = backend or compute_backend()
     return TrainSettings(window=window, batch_size=run.batch_size, lora=not run.full, lora_rank=run.lora_rank,
                          lora_layers=run.lora_layers, grad_checkpoint=run.grad_checkpoint, compile=run.compile,

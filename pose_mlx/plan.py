@@ -36,7 +36,8 @@ from .errors import UserError, command
 from .lengths import parse_length
 from .model import source
 from .places import check_output
-from .settings import RUN_FILE, Invocation, RunSettings, run_folder, save_run_file, saved_world_size
+from .settings import (RUN_FILE, Invocation, RunSettings, build_parser, parse_invocation, run_folder, save_run_file,
+                       saved_world_size)
 from .training.distributed import World, init as init_world
 from .training.lora import LoraSpec
 
@@ -360,8 +361,6 @@ def render(plan: memory.Plan, arch: memory.Architecture, model: str, source: str
 
 
 def _parser():
-    from .settings import build_parser
-
     parser = build_parser()
     parser.prog = "python -m pose_mlx.plan"
     parser.description = ("Predict the peak memory of `python -m pose_mlx.finetune` with the same flags, from the\n"
@@ -374,8 +373,6 @@ def planned_run(argv) -> tuple[RunSettings, source.ModelRef, dict, memory.TrainS
     """What `python -m pose_mlx.plan` plans for finetune's flags `argv` (flags it does not use are left out with a
     note): the settings, the model reference, its configuration (no weights are read) and the memory model's view
     of the run."""
-    from .settings import parse_invocation
-
     parser = _parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:

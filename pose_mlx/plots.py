@@ -13,6 +13,9 @@ from typing import Sequence
 
 import numpy as np
 
+# Imported inside functions, on purpose: matplotlib, each where it is used: they are costly to import or unneeded on
+# the paths that import this module (`--help`, `plan`, the NumPy-only parts).
+
 
 def _pyplot():
     import matplotlib

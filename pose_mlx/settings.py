@@ -30,9 +30,14 @@ from typing import Callable
 
 from .errors import ArgumentParser, UserError
 from .files import write_atomic
+from .memory import parse_size
+from .model.source import describe_aliases
 from .places import check_output
-from .training.positions import CONTENT, REFERENCE_SAMPLERS, SAMPLERS
 from .rope import SCHEDULES, scaled_inv_freq, schedule_parameters
+from .training.positions import CONTENT, REFERENCE_SAMPLERS, SAMPLERS
+
+# Imported inside functions, on purpose: PyYAML, each where it is used: they are costly to import or unneeded on the
+# paths that import this module (`--help`, `plan`, the NumPy-only parts).
 
 #: --sampler: the position samplers a run trains with, and `none` (no training: the schedule only).
 RUN_SAMPLERS = tuple(s for s in SAMPLERS if s not in REFERENCE_SAMPLERS) + ("none",)
@@ -255,8 +260,6 @@ def _deprecated_dest(old: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     """The flags of `python -m pose_mlx.finetune` (and of `python -m pose_mlx.plan`, which takes the same): one per
     field of `RunSettings` (the run-folder flags of `Invocation` after --output, which they act on)."""
-    from .model.source import describe_aliases
-
     deprecated = ", ".join(f"{old} = {new.option}" for old, (_, new) in _deprecated_flags().items())
     p = ArgumentParser(
         prog="python -m pose_mlx.finetune", argument_default=argparse.SUPPRESS,
@@ -561,8 +564,6 @@ def validate(s: RunSettings) -> None:
         raise UserError(f"--schedule {s.schedule!r} is not a known schedule"
                         + (f"; did you mean '{close[0]}'?" if close else f" ({', '.join(SCHEDULES)})"))
     if s.max_memory is not None:
-        from .memory import parse_size
-
         parse_size(s.max_memory)
     params = dict(s.schedule_params)
     factor = params.pop("factor", 2.0)

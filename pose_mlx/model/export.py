@@ -37,8 +37,12 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..files import replace_dir, sibling
-from .source import build_model
+from .gguf import write_tokenizer
 from .patch import Extension, find_rope_modules, save_extension
+from .source import build_model
+
+# Imported inside functions, on purpose: mlx-lm, each where it is used: they are costly to import or unneeded on the
+# paths that import this module (`--help`, `plan`, the NumPy-only parts).
 
 TOKENIZER_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
                       "*.tiktoken", "chat_template*", "generation_config.json", "*.py")
@@ -216,8 +220,6 @@ def export_run(model: nn.Module, extension: Extension, plan, summary: dict,
     logs = {"train_log.jsonl": plan.partial / "log.jsonl", "run.json": plan.partial / "run.json"}
     tokenizer_source, config = plan.model.path, plan.config
     if plan.model.is_gguf:
-        from .gguf import write_tokenizer
-
         tokenizer_source = plan.partial / "tokenizer"
         write_tokenizer(plan.model.path, tokenizer_source)
         # the file's precision and block types, not those of the weights written here

@@ -24,6 +24,11 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from ..errors import UserError
+from .gguf import config_from_gguf, load_gguf
+
+# Imported inside functions, on purpose: the hub client, MLX, mlx-lm and the package's MLX-backed modules, each where
+# it is used: they are costly to import or unneeded on the paths that import this module (`--help`, `plan`, the
+# NumPy-only parts).
 
 ALIASES = {
     "llama-7b": ("huggyllama/llama-7b", 2048),
@@ -135,8 +140,6 @@ def _download(repo_id: str, weights: bool) -> Path:
 def read_config(ref: ModelRef) -> dict:
     """The model's configuration (config.json, or the HF-style config of a GGUF file's metadata)."""
     if ref.is_gguf:
-        from .gguf import config_from_gguf
-
         return check_config(config_from_gguf(ref.path), ref.name)
     path = ref.config_file or ref.path / "config.json"
     try:
@@ -262,8 +265,6 @@ def load(ref: ModelRef | str | Path, *, return_config: bool = False, apply_sched
     if not isinstance(ref, ModelRef):
         ref = resolve(str(ref))
     if ref.is_gguf:
-        from .gguf import load_gguf
-
         model, tokenizer, config = load_gguf(ref.path)
         return (model, tokenizer, config) if return_config else (model, tokenizer)
     if not any((ref.path / name).exists() for name in TOKENIZER_FILES):

@@ -27,6 +27,9 @@ from ..files import replace_dir
 from ..training.data import required_length
 from ..training.loop import Interrupted
 
+# Imported inside functions, on purpose: mlx-lm, each where it is used: they are costly to import or unneeded on the
+# paths that import this module (`--help`, `plan`, the NumPy-only parts).
+
 #: Runs trained with every seed of --seeds (claim b compares them); the others use --seed only.
 SEEDED = tuple(f"{m}-{s}" for m in ("pose", "full") for s in ("linear", "ntk", "yarn"))
 

@@ -19,6 +19,9 @@ import numpy as np
 from .. import toy
 from ..training.data import decode_text
 
+# Imported inside functions, on purpose: tokenizers, each where it is used: they are costly to import or unneeded on
+# the paths that import this module (`--help`, `plan`, the NumPy-only parts).
+
 
 def split_documents(texts: list[str], test_docs: int, val_fraction: float, seed: int) -> dict[str, list[str]]:
     """{'train', 'val', 'test'}: the `test_docs` longest texts (longest first) are test; of the others, a seeded

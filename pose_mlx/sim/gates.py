@@ -22,6 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
+# Imported inside functions, on purpose: MLX, mlx-lm and the package's MLX-backed modules, each where it is used: they
+# are costly to import or unneeded on the paths that import this module (`--help`, `plan`, the NumPy-only parts).
+
 #: Trials of the base model's passkey gate at Lc (the gate: accuracy >= 0.95 over 50 trials).
 GATE_TRIALS, GATE_PASSKEY = 50, 0.95
 

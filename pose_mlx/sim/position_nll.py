@@ -14,6 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
+# Imported inside functions, on purpose: the package's MLX-backed modules, each where it is used: they are costly to
+# import or unneeded on the paths that import this module (`--help`, `plan`, the NumPy-only parts).
+
 
 def window_nll(model, docs: list[np.ndarray], length: int, bos: int) -> np.ndarray:
     """(windows, length - 1) NLLs: row w, column p - 1 scores position p of the w-th window (documents in order,

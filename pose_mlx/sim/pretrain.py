@@ -33,6 +33,9 @@ from ..training.data import ExampleStream, TokenizedCorpus, tokenize_corpus
 from .corpus import write_jsonl
 from .retrieval import retrieval_documents
 
+# Imported inside functions, on purpose: MLX, mlx-lm and the package's MLX-backed modules, each where it is used: they
+# are costly to import or unneeded on the paths that import this module (`--help`, `plan`, the NumPy-only parts).
+
 
 def block_corpus(corpora: list[TokenizedCorpus], window: int, max_blocks: list[int | None] | None = None,
                  bos: int | None = None) -> TokenizedCorpus:

@@ -31,7 +31,11 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from ..errors import UserError
+from ..model.source import hub_reachable
 from .positions import CONTENT, SAMPLERS, Example, sample_example
+
+# Imported inside functions, on purpose: the hub client, tqdm, each where it is used: they are costly to import or
+# unneeded on the paths that import this module (`--help`, `plan`, the NumPy-only parts).
 
 SUFFIXES = (".txt", ".md", ".py", ".jsonl")
 #: mlx-lm's data folder layout: a folder with train.jsonl is read split by split.
@@ -73,7 +77,6 @@ def _download(repo_id: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        from ..model.source import hub_reachable
 
         folder = snapshot_download(repo_id=repo_id, repo_type="dataset", allow_patterns=[f"*{s}" for s in SUFFIXES],
                                    local_files_only=not hub_reachable())  # offline: one line at once, no retries

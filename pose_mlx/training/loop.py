@@ -48,6 +48,9 @@ from .distributed import SINGLE, World
 from ..errors import Stopped, UserError
 from ..files import write_atomic
 
+# Imported inside functions, on purpose: mlx-lm, tqdm, each where it is used: they are costly to import or unneeded on
+# the paths that import this module (`--help`, `plan`, the NumPy-only parts).
+
 
 class NonFinite(UserError):
     """The loss, the gradient norm or a weight became NaN or infinite at `step` (too high a learning rate)."""

@@ -17,6 +17,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
+# Imported inside functions, on purpose: mlx-lm, each where it is used: they are costly to import or unneeded on the
+# paths that import this module (`--help`, `plan`, the NumPy-only parts).
+
 
 @dataclass(frozen=True)
 class LoraSpec:

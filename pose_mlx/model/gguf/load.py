@@ -16,6 +16,9 @@ from .header import read_header
 from .tokenizer import _build_tokenizer, _read_vocab, _tokenizer_config, load_tokenizer
 from .weights import GROUP_SIZE, _compute_dtype, _model_from_header
 
+# Imported inside functions, on purpose: MLX, mlx-lm, each where it is used: they are costly to import or unneeded on
+# the paths that import this module (`--help`, `plan`, the NumPy-only parts).
+
 
 def _default_device_is_cpu() -> bool:
     import mlx.core as mx

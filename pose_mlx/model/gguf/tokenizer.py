@@ -12,6 +12,9 @@ from pathlib import Path
 from .config import config_from_gguf
 from .header import Header, _header, _short
 
+# Imported inside functions, on purpose: mlx-lm, tokenizers, each where it is used: they are costly to import or
+# unneeded on the paths that import this module (`--help`, `plan`, the NumPy-only parts).
+
 # llama.cpp token types (tokenizer.ggml.token_type).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 

@@ -30,6 +30,9 @@ import numpy as np
 
 from .header import GGML_TYPES, Header, TensorInfo, _label
 
+# Imported inside functions, on purpose: MLX, each where it is used: they are costly to import or unneeded on the
+# paths that import this module (`--help`, `plan`, the NumPy-only parts).
+
 #: Tensor types `load_gguf` reads: float types, and block types with their MLX quantization bits.
 FLOAT_TYPES = ("F32", "F16", "BF16")
 QUANT_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}
