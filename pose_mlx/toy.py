@@ -25,6 +25,9 @@ from typing import Iterable
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+# Imported inside functions, on purpose: sentencepiece, tokenizers and transformers (costly, only to train or convert
+# a tokenizer) and `model.source.build_model` (kept out of this module's namespace: toy does not offer it).
+
 #: Tokenizer files a toy folder needs (copied with the others by `pose_mlx.model.export.copy_tokenizer_files`).
 REQUIRED_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 #: Directory names treated as test suites by `stdlib_texts(include_tests=False)`.
