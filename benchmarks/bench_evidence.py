@@ -48,11 +48,13 @@ def train_name(name: str, spec: dict) -> str:
 
 @functools.cache
 def device() -> str:
-    """MLX's default device and the machine, for each evaluation's record (asked once, in a fresh process, before
-    any evaluation runs: asked later, beside evaluations that hold the GPU's memory, the answer can fail)."""
-    out = subprocess.run([sys.executable, "-c", "import pose_mlx, mlx.core as mx; print(mx.default_device())"],
-                         capture_output=True, text=True, check=True).stdout.strip()
-    return f"{out} on {platform.machine()} ({platform.node()})"
+    """MLX's default device, its name (the GPU's model on a GPU) and the machine, for each evaluation's record
+    (asked once, in a fresh process, before any evaluation runs: asked later, beside evaluations that hold the
+    GPU's memory, the answer can fail)."""
+    code = "import pose_mlx, mlx.core as mx; print(mx.default_device(), mx.device_info().get('device_name', '?'), sep='|')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    where, name = out.split("|", 1)
+    return f"{where} {name} on {platform.machine()} ({platform.node()})"
 
 
 def ensure_trained(name: str, spec: dict, protocol: dict, gguf: Path, work: Path, train: Path) -> Path:
