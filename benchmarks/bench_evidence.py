@@ -185,12 +185,12 @@ def evaluate(name: str, kind: str, length: int, protocol: dict, gguf: Path, work
     return path
 
 
-def run_all(tasks: list[tuple], fn, jobs: int, label: int = 3) -> int:
+def run_all(tasks: list[tuple], fn, jobs: int, label: int = 3) -> list[tuple]:
     """`fn(*task)` for every task, `jobs` at a time (each evaluation or fine-tuning is its own process, so several
     share one GPU); prints each result, labelled by the task's first `label` items, in the tasks' order. A failed
     task is reported and the rest go on; with `jobs` > 1 the failed ones are tried once more, one at a time, after
-    the others (on a GPU, a run beside others can fail for want of memory it has alone). Returns the number of
-    tasks that failed in the end."""
+    the others (on a GPU, a run beside others can fail for want of memory it has alone). Returns the tasks that
+    failed in the end."""
     def attempt(task, call) -> bool:
         name = " ".join(map(str, task[:label]))
         try:
@@ -204,7 +204,7 @@ def run_all(tasks: list[tuple], fn, jobs: int, label: int = 3) -> int:
         failed = [t for t, future in [(t, pool.submit(fn, *t)) for t in tasks] if not attempt(t, future.result)]
     if jobs > 1:
         failed = [t for t in failed if not attempt(t, lambda t=t: fn(*t))]
-    return len(failed)
+    return failed
 
 
 def screening_numbers(protocol: dict) -> dict:
@@ -223,18 +223,19 @@ def screening_numbers(protocol: dict) -> dict:
 
 
 def screen(protocol: dict, gguf: Path, work: Path, train: Path, test: Path, jobs: int) -> str | None:
-    """The recipe screening: fine-tune every candidate with the protocol's settings, evaluate it on the
-    screening's own trials (and the base's unseen-domain perplexity on the same device), write
+    """The recipe screening: fine-tune every candidate with the protocol's settings, evaluate those trained on
+    the screening's own trials (and the base's unseen-domain perplexity on the same device), write
     `protocol/screening.json` and return the winner by the protocol's rule (None while incomplete)."""
     recipe = protocol["recipe"]
     candidates = {name: {"role": "pose", "train": c["train"]} for name, c in recipe["candidates"].items()}
-    failed = run_all([(name, spec, protocol, gguf, work, train) for name, spec in candidates.items()],
-                     ensure_trained, jobs, label=1)
+    untrained = run_all([(name, spec, protocol, gguf, work, train) for name, spec in candidates.items()],
+                        ensure_trained, jobs, label=1)
+    candidates = {name: spec for name, spec in candidates.items() if name not in {t[0] for t in untrained}}
     unseen = protocol["perplexity"]["unseen"]["length"]
     tasks = [("none", "ppl_unseen", unseen)] + [(c, "ppl_unseen", unseen) for c in candidates]
     tasks += [(c, "passkey", n) for n in sorted(recipe["screening"]["passkey_trials"]) for c in candidates]
     tasks += [(c, "ppl", protocol["target"]) for c in candidates]
-    failed += run_all([(*t, protocol, gguf, work, test, True) for t in tasks], evaluate, jobs)
+    failed = len(untrained) + len(run_all([(*t, protocol, gguf, work, test, True) for t in tasks], evaluate, jobs))
     numbers = screening_numbers(protocol)
     base = numbers.get("none", {}).get("ppl_unseen")
     winner = None if base is None else select_recipe(protocol, numbers, base)
@@ -320,16 +321,18 @@ def write_report(protocol: dict, runs: dict, tests: list[dict], head: str) -> Pa
              f"{protocol['passkey']['seed']}); the exploratory stage (seeds 0 and 1) is in `../report.md` and is "
              "never pooled with these. `-`: not run yet. Command: `python -m benchmarks.bench_evidence`.", "",
              "## Passkey accuracy (trials; 95% Wilson interval), perplexity, RULER", "",
-             "| run | role | " + " | ".join(map(str, lengths)) + " | ppl 2k, unseen domain | ppl 32k | RULER average |",
-             "|---|---|" + "---|" * (len(lengths) + 3)]
+             "| run | role | " + " | ".join(map(str, lengths)) + " | ppl 2k, unseen domain | ppl 32k | "
+             + " | ".join(f"RULER {n // 1024}k" for n in protocol["ruler"]["lengths"]) + " |",
+             "|---|---|" + "---|" * (len(lengths) + 2 + len(protocol["ruler"]["lengths"]))]
     for name, r in runs.items():
         pk = [cell(r["passkey"][str(n)], r["passkey_trials"][str(n)]) if str(n) in r.get("passkey", {}) else "-"
               for n in lengths]
         ppl2 = r.get("ppl_unseen", {}).get("2048")
         ppl32 = r.get("ppl", {}).get(str(protocol["target"]))
-        scores = list(r.get("ruler", {}).get("scores", {}).values())
         numbers = ["-" if v is None else f"{v:.2f}" for v in (ppl2, ppl32)]
-        numbers.append(f"{sum(scores) / len(scores):.2f}" if scores else "-")
+        for n in protocol["ruler"]["lengths"]:  # the tasks' mean score at each length
+            scores = [v for k, v in r.get("ruler", {}).get("scores", {}).items() if k.endswith(f"@{n}")]
+            numbers.append(f"{sum(scores) / len(scores):.2f}" if scores else "-")
         lines.append(f"| {name} | {r['role']} | " + " | ".join(pk + numbers) + " |")
     lines += ["", "## The pre-registered test", "",
               "PoSE minus control passkey accuracy; Newcombe's hybrid score interval, 95%; better if the interval "
@@ -355,6 +358,9 @@ def write_report(protocol: dict, runs: dict, tests: list[dict], head: str) -> Pa
     lines += screening_section(protocol)
     devices = sorted({d for r in runs.values() for d in r.get("devices", {}).values() if d})
     lines += ["", "Devices that gave these numbers: " + ("; ".join(devices) or "none yet") + "."]
+    if any(d.startswith("Device(gpu, 0) on") for d in devices):
+        lines += ["Records that name no GPU model were written before the records named it, on the H200 lent on "
+                  "2026-11-26 (see `docs/evidence.md`)."]
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text("\n".join(lines) + "\n")
     plot_passkey(runs, lengths, protocol["original"], out / "passkey.png")
@@ -456,13 +462,13 @@ def main(argv=None) -> int:
         # one fine-tuning serves all controls: rebuild it once before the others run beside each other
         for name in [n for n in trained if train_name(n, protocol["runs"][n]) == "adapt"][:1]:
             ensure_trained(name, protocol["runs"][name], protocol, gguf, args.work, train)
-        failed += run_all([(n, protocol["runs"][n], protocol, gguf, args.work, train) for n in trained],
-                          ensure_trained, args.jobs, label=1)
+        failed += len(run_all([(n, protocol["runs"][n], protocol, gguf, args.work, train) for n in trained],
+                              ensure_trained, args.jobs, label=1))
     if args.stage in ("eval", "all"):
         unseen_corpus(protocol, args.work)
         tasks = [(n, kind, length, protocol, gguf, args.work, test)
                  for n, kind, length in evaluations(protocol, args.max_length) if n in names]
-        failed += run_all(tasks, evaluate, args.jobs)
+        failed += len(run_all(tasks, evaluate, args.jobs))
     results_path = REAL_MODEL / "results.json"
     results = json.loads(results_path.read_text())
     runs = collect(protocol)

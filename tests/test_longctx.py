@@ -92,6 +92,22 @@ def test_check_memory_refuses_or_warns_above_what_the_machine_offers(tmp_path, m
     assert described.startswith(memory.format_size(estimate.peak + estimate.details["numpy_bytes"]) + " at 4096")
 
 
+def test_check_memory_holds_mlx_cache_to_the_predicted_peak(tmp_path):
+    """After the check, MLX's buffer cache may hold no more than the prediction of MLX's own peak (by default
+    it may grow to the device's memory limit, which starves other processes on a shared GPU)."""
+    import pose_mlx.memory as memory
+
+    info = longctx.load_eval_model(str(make_eval_folder(tmp_path / "m", max_position_embeddings=64)))
+    default = mx.set_cache_limit(0)
+    try:
+        longctx.check_memory(info, [64, 512], chunk=64, force=True)
+        held = mx.set_cache_limit(default)
+    finally:
+        mx.set_cache_limit(default)
+    assert held == memory.eval_memory(info.config, 512, 64).peak
+    assert 0 < held < default
+
+
 def test_load_eval_model_reads_windows_from_config(tmp_path):
     folder = make_eval_folder(tmp_path / "m", max_position_embeddings=96,
                               rope_scaling={"type": "linear", "factor": 2.0, "original_max_position_embeddings": 48})

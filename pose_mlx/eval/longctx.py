@@ -10,7 +10,7 @@
   L x L and memory grows with the cache (linear in L). A dynamic-NTK model sets its base from the whole
   sequence's length (`pose_mlx.model.patch.use_length`), so the chunk size changes nothing.
 - `check_memory`: the planner's prediction of the longest length (`pose_mlx.memory.eval_memory`) against the
-  memory this machine offers, before any token is evaluated; `run_cost`: what the evaluation took, for its JSON.
+  memory this machine offers, before any token is evaluated, and MLX's buffer cache held to that prediction; `run_cost`: what the evaluation took, for its JSON.
 """
 
 from __future__ import annotations
@@ -226,7 +226,13 @@ def check_memory(info: "EvalModel", lengths: list[int], chunk: int, force: bool 
     """The predicted peak of evaluating the longest length (`pose_mlx.memory.eval_memory`: weights, KV cache,
     one chunk's scores, logits - every position's, or the last one's when not `all_logits` - and activations)
     against the memory this machine offers: UserError above it, or only a warning with `force`. Returns the
-    prediction in words."""
+    prediction in words.
+
+    Then MLX's buffer cache is held to the predicted peak (`mx.set_cache_limit`), so this process keeps at most
+    about twice its prediction. Unbounded (MLX's default allows up to the device's memory limit), the cache
+    keeps every freed buffer that a later chunk cannot reuse (a chunk's scores grow with the cache): on an
+    H100, passkey evaluations whose MLX peak was 1-5 GB held 20-80 GB each, and the evaluations beside them
+    on the same GPU failed for want of memory."""
     estimate = memory.eval_memory(info.config, max(lengths), chunk, all_logits=all_logits)
     parts = {k.replace("_", " "): v for k, v in estimate.breakdown.items() if v}
     if estimate.details["numpy_bytes"]:
@@ -241,6 +247,7 @@ def check_memory(info: "EvalModel", lengths: list[int], chunk: int, force: bool 
         if not force:
             raise UserError(message)
         print(f"warning: {message}", file=sys.stderr)
+    mx.set_cache_limit(estimate.peak)
     return described
 
 
