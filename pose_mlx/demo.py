@@ -26,17 +26,17 @@ import math
 import sys
 from pathlib import Path
 
+from mlx_lm.utils import load_tokenizer
+
 from . import finetune, toy
 from .errors import ArgumentParser, UserError, command
 from .eval import passkey, perplexity
 from .lengths import parse_length
+from .model import source
 from .places import check_output
 from .plots import panels
 from .settings import Invocation, RunSettings, validate
-from .sim import SHIPPED_BASE
-
-# Imported inside functions, on purpose: mlx-lm and the package's MLX-backed modules, each where it is used: they are
-# costly to import or unneeded on the paths that import this module (`--help`, `plan`, the NumPy-only parts).
+from .sim import SHIPPED_BASE, finetune_data
 
 PRETRAINED = SHIPPED_BASE
 
@@ -106,8 +106,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _window(model: Path) -> int:
     """The base's pre-training window, from its checked config (`pose_mlx.model.source`)."""
-    from .model import source
-
     ref = source.resolve(str(model), weights=False)
     window = source.original_window(source.read_config(ref), ref)
     if window is None:
@@ -155,10 +153,6 @@ def main(argv=None) -> int:
     target = window * args.factor
     print(f"[1/4] corpus: standard-library sources and {args.retrieval:g} retrieval documents -> {out / 'corpus'}")
     train, test = write_corpus(out / "corpus", args.test_docs, args.train_docs, min_chars=2000)
-    from mlx_lm.utils import load_tokenizer
-
-    from .sim import finetune_data
-
     train = finetune_data.build(out / "corpus" / "finetune", train, load_tokenizer(model), out / "cache", window,
                                 args.retrieval, seed=0)
     print(f"[2/4] PoSE fine-tuning of {model} from {window} to {target} tokens ({args.factor}x) -> {out / 'pose'}")

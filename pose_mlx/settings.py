@@ -28,6 +28,8 @@ from dataclasses import Field, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable
 
+import yaml
+
 from .errors import ArgumentParser, UserError
 from .files import write_atomic
 from .memory import parse_size
@@ -35,9 +37,6 @@ from .model.source import describe_aliases
 from .places import check_output
 from .rope import SCHEDULES, scaled_inv_freq, schedule_parameters
 from .training.positions import CONTENT, REFERENCE_SAMPLERS, SAMPLERS
-
-# Imported inside functions, on purpose: PyYAML, each where it is used: they are costly to import or unneeded on the
-# paths that import this module (`--help`, `plan`, the NumPy-only parts).
 
 #: --sampler: the position samplers a run trains with, and `none` (no training: the schedule only).
 RUN_SAMPLERS = tuple(s for s in SAMPLERS if s not in REFERENCE_SAMPLERS) + ("none",)
@@ -344,28 +343,19 @@ def _names() -> dict:
 _STRUCTURED_KEYS = ("lora_parameters", "fine_tune_type", "resume", "overwrite")
 
 
-class _Loader:
+class _Loader(yaml.SafeLoader):
     """A safe YAML loader that also reads `1e-3` as a number (YAML 1.2; PyYAML's 1.1 rules read it as text)."""
 
-    @staticmethod
-    def make():
-        import yaml
 
-        class Loader(yaml.SafeLoader):
-            pass
-
-        Loader.add_implicit_resolver(
-            "tag:yaml.org,2002:float",
-            re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
-        return Loader
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
 
 
 def read_yaml(path) -> dict:
     """{setting: value} of a YAML config file, every key known and every value of its setting's type."""
-    import yaml
-
     try:
-        data = yaml.load(Path(path).read_text(encoding="utf-8"), Loader=_Loader.make())
+        data = yaml.load(Path(path).read_text(encoding="utf-8"), Loader=_Loader)
     except FileNotFoundError:
         raise UserError(f"--config {path}: no such file") from None
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:

@@ -35,14 +35,12 @@ import numpy as np
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.utils import save_config, save_model
 
 from ..files import replace_dir, sibling
 from .gguf import write_tokenizer
 from .patch import Extension, find_rope_modules, save_extension
 from .source import build_model
-
-# Imported inside functions, on purpose: mlx-lm, each where it is used: they are costly to import or unneeded on the
-# paths that import this module (`--help`, `plan`, the NumPy-only parts).
 
 TOKENIZER_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
                       "*.tiktoken", "chat_template*", "generation_config.json", "*.py")
@@ -182,8 +180,6 @@ def export_model(model: nn.Module, config: dict, tokenizer_source: Path, output:
     tmp.mkdir()
     try:
         new_config, exact = export_config(model, config)
-        from mlx_lm.utils import save_config, save_model
-
         if save_weights is None:
             save_model(tmp, model)
         else:

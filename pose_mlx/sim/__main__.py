@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mlx_lm.utils import load_tokenizer
+
 from . import SHIPPED_BASE
 from . import corpus as corpus_mod
 from . import finetune_data, gates, position_nll
@@ -26,9 +28,6 @@ from ..errors import Stopped, UserError, command
 from ..files import replace_dir
 from ..training.data import required_length
 from ..training.loop import Interrupted
-
-# Imported inside functions, on purpose: mlx-lm, each where it is used: they are costly to import or unneeded on the
-# paths that import this module (`--help`, `plan`, the NumPy-only parts).
 
 #: Runs trained with every seed of --seeds (claim b compares them); the others use --seed only.
 SEEDED = tuple(f"{m}-{s}" for m in ("pose", "full") for s in ("linear", "ntk", "yarn"))
@@ -212,8 +211,6 @@ def _train_and_evaluate(ws: Workspace, run: Run, seed: int, data_folders: dict[i
 
 
 def _score_ruler(ws: Workspace, folder: Path, outputs: dict[str, Path]) -> None:
-    from mlx_lm.utils import load_tokenizer
-
     c = ws.config
     tokenizer = load_tokenizer(folder)
     for task, output in outputs.items():
@@ -237,8 +234,6 @@ def _ruler(ws: Workspace, name: str) -> dict:
 def _finetune_data(ws: Workspace, runs: list[Run]) -> dict[int, Path]:
     """{example length: data folder}: the training split plus retrieval documents of that length
     (`pose_mlx.sim.finetune_data`), one folder per example length a grid run needs."""
-    from mlx_lm.utils import load_tokenizer
-
     c, folders = ws.config, {}
     for length in sorted({_example_length(c, r) for r in runs if not r.cost_only} - {None}):
         folder = folders[length] = ws.out / "finetune-data" / str(length)
@@ -251,8 +246,6 @@ def _finetune_data(ws: Workspace, runs: list[Run]) -> dict[int, Path]:
 def _measure_nll(ws: Workspace, run: Run, output: Path, docs: list) -> None:
     """One run's per-position NLL curve; `docs`: the test documents, tokenized by the first call."""
     if not docs:
-        from mlx_lm.utils import load_tokenizer
-
         docs.extend(gates.test_documents(ws.data / "test", load_tokenizer(ws.model), ws.cache, ws.config.window))
     position_nll.measure(ws.out / "runs" / run.folder, docs, ws.config.target, nll_bin(ws.config), output,
                          *load_schedule(run, ws.config.factor))

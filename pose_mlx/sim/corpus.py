@@ -15,12 +15,10 @@ import json
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Tokenizer
 
 from .. import toy
 from ..training.data import decode_text
-
-# Imported inside functions, on purpose: tokenizers, each where it is used: they are costly to import or unneeded on
-# the paths that import this module (`--help`, `plan`, the NumPy-only parts).
 
 
 def split_documents(texts: list[str], test_docs: int, val_fraction: float, seed: int) -> dict[str, list[str]]:
@@ -44,8 +42,6 @@ def _write(folder: Path, texts: list[str]) -> None:
 
 
 def _hf_tokenizer(folder: Path):
-    from tokenizers import Tokenizer
-
     return Tokenizer.from_file(str(folder / "tokenizer.json"))
 
 

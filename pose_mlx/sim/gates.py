@@ -22,8 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-# Imported inside functions, on purpose: MLX, mlx-lm and the package's MLX-backed modules, each where it is used: they
-# are costly to import or unneeded on the paths that import this module (`--help`, `plan`, the NumPy-only parts).
+import mlx.core as mx
+from mlx_lm import load
+
+from ..training.data import tokenize_corpus
+from .grid import evaluate_passkey, passkey_template_tokens
 
 #: Trials of the base model's passkey gate at Lc (the gate: accuracy >= 0.95 over 50 trials).
 GATE_TRIALS, GATE_PASSKEY = 50, 0.95
@@ -43,8 +46,6 @@ def unigram_ppl(train: np.ndarray, test: np.ndarray, vocab: int) -> float:
 
 def no_context_ppl(model, test: np.ndarray, bos: int) -> float:
     """exp(-mean over test tokens of log p(t | BOS)): one forward pass of [BOS] scores every token."""
-    import mlx.core as mx
-
     test = np.asarray(test)
     if test.size == 0:
         raise ValueError("no test tokens")
@@ -56,8 +57,6 @@ def no_context_ppl(model, test: np.ndarray, bos: int) -> float:
 def attention_logits(attn, x, mask):
     """q k^T * scale + mask of an mlx-lm llama-style attention module on its input `x` (B, L, D), RoPE at
     positions 0..L-1: (B, heads, L, L), keys repeated for grouped queries."""
-    import mlx.core as mx
-
     b, n, _ = x.shape
     q = attn.q_proj(x).reshape(b, n, attn.n_heads, -1).transpose(0, 2, 1, 3)
     k = attn.k_proj(x).reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
@@ -67,16 +66,12 @@ def attention_logits(attn, x, mask):
 
 
 def causal_mask(n: int):
-    import mlx.core as mx
-
     return mx.triu(mx.full((n, n), -mx.inf, dtype=mx.float32), k=1)
 
 
 def layer_logits(model, tokens: np.ndarray):
     """`attention_logits` of every layer of an mlx-lm llama-style model (`model.model.layers[i].self_attn` with
     q_proj, k_proj, rope, n_heads, n_kv_heads, scale) on one causal sequence, yielded layer by layer."""
-    import mlx.core as mx
-
     mask = causal_mask(tokens.size)
     h = model.model.embed_tokens(mx.array(tokens[None]))
     for layer in model.model.layers:
@@ -86,8 +81,6 @@ def layer_logits(model, tokens: np.ndarray):
 
 def sink_share(model, tokens: np.ndarray) -> float:
     """Mean attention weight on position 0 over layers, heads and queries 1..L-1 of one sequence."""
-    import mlx.core as mx
-
     tokens = np.asarray(tokens)
     if tokens.ndim != 1 or tokens.size < 2:
         raise ValueError("sink_share needs one sequence of at least 2 tokens")
@@ -100,8 +93,6 @@ def far_attention(model, tokens: np.ndarray, window: int) -> dict:
     `far_share`, the mean attention weight on keys at distances >= `window`; `uniform_share`, the same for
     uniform causal attention, mean of (q - window + 1) / (q + 1) over the queries q; `far_logit_excess`, the mean
     of (largest logit at distances >= window) - (largest logit at distances < window)."""
-    import mlx.core as mx
-
     tokens = np.asarray(tokens)
     n = tokens.size
     if tokens.ndim != 1 or n <= window:
@@ -121,8 +112,6 @@ def far_attention(model, tokens: np.ndarray, window: int) -> dict:
 
 def test_documents(test_dir: Path, tokenizer, cache: Path, window: int) -> list[np.ndarray]:
     """The test documents' token ids (the corpus stage's cut), BOS left out."""
-    from ..training.data import tokenize_corpus
-
     test = tokenize_corpus(test_dir, tokenizer, cache, window, progress=False)
     bos = tokenizer.bos_token_id
     return [d[d != bos] for d in (np.asarray(test.doc(i)) for i in range(test.num_docs))]
@@ -140,11 +129,6 @@ def measure(model_dir: Path, train_dir: Path, test_dir: Path, cache: Path, windo
     left out), the sink share over each test document's first Lc tokens, `far_attention` over each one's first
     `target` tokens (means over the documents), and passkey accuracy at Lc over GATE_TRIALS trials (None when
     the prompt template does not fit Lc)."""
-    from mlx_lm import load
-
-    from ..training.data import tokenize_corpus
-    from .grid import evaluate_passkey, passkey_template_tokens
-
     model, tokenizer = load(str(model_dir))
     bos = tokenizer.bos_token_id
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]

@@ -14,15 +14,12 @@ from pathlib import Path
 
 import numpy as np
 
-# Imported inside functions, on purpose: the package's MLX-backed modules, each where it is used: they are costly to
-# import or unneeded on the paths that import this module (`--help`, `plan`, the NumPy-only parts).
+from ..eval.longctx import bos_id, chunked_nll, load_eval_model
 
 
 def window_nll(model, docs: list[np.ndarray], length: int, bos: int) -> np.ndarray:
     """(windows, length - 1) NLLs: row w, column p - 1 scores position p of the w-th window (documents in order,
     each cut into floor(n / (length - 1)) windows of length - 1 tokens after BOS)."""
-    from ..eval.longctx import chunked_nll
-
     rows = []
     for doc in docs:
         doc = np.asarray(doc)
@@ -49,8 +46,6 @@ def measure(model_dir: Path, docs: list[np.ndarray], length: int, bin_width: int
     """The binned curve of the run in `model_dir` (loaded with its saved schedule, or extended at load with
     `schedule` / `target` as the evaluators' --schedule / --target do) at window `length`, written to `output` as
     JSON and returned. `docs`: tokenized test documents, BOS left out."""
-    from ..eval.longctx import bos_id, load_eval_model
-
     info = load_eval_model(str(model_dir), schedule, target)
     record = {"length": length, "bin_width": bin_width,
               **binned(window_nll(info.model, docs, length, bos_id(info.tokenizer)), bin_width)}

@@ -27,14 +27,17 @@ from pathlib import Path
 
 import numpy as np
 
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm import load
+
 from .. import toy
 from ..files import replace_dir
+from ..model.patch import extend, use_positions
 from ..training.data import ExampleStream, TokenizedCorpus, tokenize_corpus
+from ..training.loop import TrainConfig, evaluate, train
 from .corpus import write_jsonl
 from .retrieval import retrieval_documents
-
-# Imported inside functions, on purpose: MLX, mlx-lm and the package's MLX-backed modules, each where it is used: they
-# are costly to import or unneeded on the paths that import this module (`--help`, `plan`, the NumPy-only parts).
 
 
 def block_corpus(corpora: list[TokenizedCorpus], window: int, max_blocks: list[int | None] | None = None,
@@ -122,13 +125,6 @@ def pretrain(folder: Path, tokenizer_dir: Path, train_dir: Path, val_dir: Path, 
              steps: int, batch: int, lr: float, seed: int, progress: bool = False, made: dict | None = None) -> dict:
     """Pre-train and write the model folder `folder` (loads with mlx_lm.load); returns pretrain.json's record,
     which holds `made` (`made_with`'s record) when given."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm import load
-
-    from ..model.patch import extend, use_positions
-    from ..training.loop import TrainConfig, evaluate, train
-
     folder = Path(folder)
     partial = folder.with_name(folder.name + ".partial")
     init = partial / "init"

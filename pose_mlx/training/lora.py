@@ -17,8 +17,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-# Imported inside functions, on purpose: mlx-lm, each where it is used: they are costly to import or unneeded on the
-# paths that import this module (`--help`, `plan`, the NumPy-only parts).
+# mlx-lm is imported inside the functions that use it: `plan` imports this module (for LoraSpec) and must not pay
+# for mlx-lm, whose package loads transformers (~1.2 s on a 2-core CPU).
 
 
 @dataclass(frozen=True)
