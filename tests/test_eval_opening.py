@@ -72,11 +72,12 @@ def test_fit_and_answer_reach_the_memory_check(tmp_path, monkeypatch):
     folder = str(make_eval_folder(tmp_path / "m", max_position_embeddings=64))
     seen = []
     monkeypatch.setattr(longctx, "check_memory", lambda info, lengths, chunk, force, all_logits=True:
-                        seen.append((lengths, chunk, force, all_logits)) or "estimate")
+                        seen.append((lengths, chunk, force, all_logits)) or ("estimate", 4321))
     # default lengths for a 64-token window: 32, 64; `fit` drops the first
     opening = open_evaluation("x", Settings(model=folder, chunk=16),
                               fit=lambda args, info, lengths: [n for n in lengths if n > 32], answer=7)
     assert opening.lengths == [64] and opening.info.original == 64 and opening.estimate == "estimate"
+    assert opening.peak == 4321
     assert seen.pop() == ([64 + 7], 16, False, False)
     opening = open_evaluation("x", Settings(model=folder, lengths="16,48", force=True),
                               answer=lambda args: len(args.model))
@@ -90,7 +91,7 @@ def test_announce_says_the_model_and_returns_the_output_path(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(memory, "available_memory", lambda: (1 << 40, "test"))
     opening = open_evaluation("kind", Settings(model=str(folder), lengths="32"), answer=0)
-    expected = longctx.check_memory(opening.info, [32], longctx.DEFAULT_CHUNK, all_logits=False)
+    expected, _ = longctx.check_memory(opening.info, [32], longctx.DEFAULT_CHUNK, all_logits=False)
     capsys.readouterr()
     assert opening.announce("note one", "note two") == Path("kind-tiny.json")
     assert capsys.readouterr().err.splitlines() == [

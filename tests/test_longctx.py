@@ -86,26 +86,25 @@ def test_check_memory_refuses_or_warns_above_what_the_machine_offers(tmp_path, m
     monkeypatch.setattr(memory, "available_memory", lambda: (10_000, "test"))
     with pytest.raises(UserError, match=r"more than the 9.77 KiB this machine offers \(test\)"):
         longctx.check_memory(info, [64, 4096], chunk=64)
-    described = longctx.check_memory(info, [4096], chunk=64, force=True)
+    described, peak = longctx.check_memory(info, [4096], chunk=64, force=True)
     assert "warning" in capsys.readouterr().err and "at 4096 tokens" in described
     estimate = memory.eval_memory(info.config, 4096, 64)  # MLX's peak and, on the CPU path, NumPy's score tiles
     assert described.startswith(memory.format_size(estimate.peak + estimate.details["numpy_bytes"]) + " at 4096")
+    assert peak == estimate.peak
 
 
-def test_check_memory_holds_mlx_cache_to_the_predicted_peak(tmp_path):
-    """After the check, MLX's buffer cache may hold no more than the prediction of MLX's own peak (by default
-    it may grow to the device's memory limit, which starves other processes on a shared GPU)."""
-    import pose_mlx.memory as memory
-
-    info = longctx.load_eval_model(str(make_eval_folder(tmp_path / "m", max_position_embeddings=64)))
+def test_cache_held_to_bounds_mlx_cache_for_the_block_and_restores_it():
+    """Inside the block MLX's buffer cache may hold at most the limit (by default it may grow to the device's
+    memory limit, which starves other processes on a shared GPU); the previous limit comes back on exit, also
+    after an exception."""
     default = mx.set_cache_limit(0)
-    try:
-        longctx.check_memory(info, [64, 512], chunk=64, force=True)
-        held = mx.set_cache_limit(default)
-    finally:
-        mx.set_cache_limit(default)
-    assert held == memory.eval_memory(info.config, 512, 64).peak
-    assert 0 < held < default
+    mx.set_cache_limit(default)
+    with longctx.cache_held_to(12345):
+        assert mx.set_cache_limit(12345) == 12345
+    assert mx.set_cache_limit(default) == default
+    with pytest.raises(RuntimeError), longctx.cache_held_to(777):
+        raise RuntimeError("stop")
+    assert mx.set_cache_limit(default) == default
 
 
 def test_load_eval_model_reads_windows_from_config(tmp_path):

@@ -109,6 +109,31 @@ def test_cli_writes_table_json_and_plot(folder, tmp_path, capsys):
     assert out.with_suffix(".png").stat().st_size > 1000
 
 
+def test_scoring_runs_with_mlx_cache_held_to_the_predicted_peak(folder, tmp_path, monkeypatch):
+    """The command scores under MLX's buffer cache limit set to the planner's prediction for its longest length
+    (every position's logits), and gives the previous limit back afterwards."""
+    import pose_mlx.memory as memory
+    from pose_mlx.eval import longctx
+
+    seen, score = [], ppl.perplexity
+
+    def spy(*args, **kwargs):
+        limit = mx.set_cache_limit(0)
+        mx.set_cache_limit(limit)
+        seen.append(limit)
+        return score(*args, **kwargs)
+
+    monkeypatch.setattr(ppl, "perplexity", spy)
+    before = mx.set_cache_limit(0)
+    mx.set_cache_limit(before)
+    rc = ppl.main(["--model", str(folder), "--data", str(_corpus(tmp_path)), "--lengths", "32,64", "--stride",
+                   "16", "--docs", "2", "--output", str(tmp_path / "p.json"), "--no-progress"])
+    assert rc == 0
+    info = longctx.load_eval_model(str(folder))
+    assert seen == [memory.eval_memory(info.config, 64, longctx.DEFAULT_CHUNK).peak]
+    assert mx.set_cache_limit(before) == before
+
+
 def test_truncate_lets_separate_runs_score_the_tokens_of_a_joint_run(folder, tmp_path, capsys):
     """A 32-token run with --truncate 63 scores exactly what the joint 32,64 run scores at 32 (its default
     truncation is 64 - 1), so lengths run one at a time stay comparable."""

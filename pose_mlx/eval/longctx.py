@@ -10,7 +10,8 @@
   L x L and memory grows with the cache (linear in L). A dynamic-NTK model sets its base from the whole
   sequence's length (`pose_mlx.model.patch.use_length`), so the chunk size changes nothing.
 - `check_memory`: the planner's prediction of the longest length (`pose_mlx.memory.eval_memory`) against the
-  memory this machine offers, before any token is evaluated, and MLX's buffer cache held to that prediction; `run_cost`: what the evaluation took, for its JSON.
+  memory this machine offers, before any token is evaluated; `cache_held_to`: MLX's buffer cache held to that
+  prediction while the evaluation runs; `run_cost`: what the evaluation took, for its JSON.
 """
 
 from __future__ import annotations
@@ -222,17 +223,11 @@ def chunked_logits(model: nn.Module, tokens, chunk: int = DEFAULT_CHUNK) -> np.n
 
 
 def check_memory(info: "EvalModel", lengths: list[int], chunk: int, force: bool = False,
-                 all_logits: bool = True) -> str:
+                 all_logits: bool = True) -> tuple[str, int]:
     """The predicted peak of evaluating the longest length (`pose_mlx.memory.eval_memory`: weights, KV cache,
     one chunk's scores, logits - every position's, or the last one's when not `all_logits` - and activations)
     against the memory this machine offers: UserError above it, or only a warning with `force`. Returns the
-    prediction in words.
-
-    Then MLX's buffer cache is held to the predicted peak (`mx.set_cache_limit`), so this process keeps at most
-    about twice its prediction. Unbounded (MLX's default allows up to the device's memory limit), the cache
-    keeps every freed buffer that a later chunk cannot reuse (a chunk's scores grow with the cache): on an
-    H100, passkey evaluations whose MLX peak was 1-5 GB held 20-80 GB each, and the evaluations beside them
-    on the same GPU failed for want of memory."""
+    prediction in words and the predicted peak of MLX's allocator in bytes (what `cache_held_to` takes)."""
     estimate = memory.eval_memory(info.config, max(lengths), chunk, all_logits=all_logits)
     parts = {k.replace("_", " "): v for k, v in estimate.breakdown.items() if v}
     if estimate.details["numpy_bytes"]:
@@ -247,8 +242,21 @@ def check_memory(info: "EvalModel", lengths: list[int], chunk: int, force: bool 
         if not force:
             raise UserError(message)
         print(f"warning: {message}", file=sys.stderr)
-    mx.set_cache_limit(estimate.peak)
-    return described
+    return described, estimate.peak
+
+
+@contextlib.contextmanager
+def cache_held_to(limit: int) -> Iterator[None]:
+    """MLX's buffer cache held to `limit` bytes while the block runs (`mx.set_cache_limit`; the previous limit
+    is restored on exit), so an evaluation keeps at most about its peak plus `limit`. Unbounded (MLX's default
+    allows up to the device's memory limit), the cache keeps every freed buffer that a later chunk cannot reuse
+    (a chunk's scores grow with the KV cache): on an H100, three to six evaluations whose MLX peaks were 1-5 GB
+    each held the whole 80 GB between them, and those that needed more failed for want of memory."""
+    previous = mx.set_cache_limit(limit)
+    try:
+        yield
+    finally:
+        mx.set_cache_limit(previous)
 
 
 def run_cost(started: float) -> dict:
@@ -323,7 +331,8 @@ def default_output(kind: str, info: EvalModel, given: str | None) -> Path:
 
 
 __all__ = [
-    "DEFAULT_CHUNK", "EvalModel", "EvalSettings", "bos_id", "check_chunk", "check_memory", "chunked_logits",
+    "DEFAULT_CHUNK", "EvalModel", "EvalSettings", "bos_id", "cache_held_to", "check_chunk", "check_memory",
+    "chunked_logits",
     "chunked_nll", "default_output", "encode", "eval_parser", "load_eval_model",
     "prefill", "resolve_lengths", "settings_defaults",
 ]

@@ -18,6 +18,8 @@ Each refusal is a `UserError` (one line on stderr, exit code 2) raised before an
 loaded before step 3. The command then makes its own checks of the loaded model and calls `announce(*notes)`,
 which says on stderr "model PATH: schedule S; original window O, max M; [NOTES; ]memory estimate E" and returns
 the output path: `--output`, or `<kind>-<model name>.json` in the current folder (also said on stderr).
+It runs the evaluation itself under `held()`, MLX's buffer cache held to the predicted peak
+(`longctx.cache_held_to`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,12 @@ class Opening:
     info: longctx.EvalModel
     lengths: list[int]
     estimate: str  # the predicted peak memory in words
+    peak: int  # the predicted peak of MLX's allocator, bytes
+
+    def held(self):
+        """A context in which MLX's buffer cache is held to the predicted peak (`longctx.cache_held_to`): the
+        evaluation itself runs in it."""
+        return longctx.cache_held_to(self.peak)
 
     def announce(self, *notes: str) -> Path:
         """The model line on stderr (with the command's `notes`), then the output path (see the module)."""
@@ -69,11 +77,12 @@ def open_evaluation(kind: str, args: longctx.EvalSettings, *,
     if fit is not None:
         lengths = fit(args, info, lengths)
     if answer is None:
-        estimate = longctx.check_memory(info, lengths, args.chunk, args.force)
+        estimate, peak = longctx.check_memory(info, lengths, args.chunk, args.force)
     else:
         tokens = answer(args) if callable(answer) else answer
-        estimate = longctx.check_memory(info, [max(lengths) + tokens], args.chunk, args.force, all_logits=False)
-    return Opening(kind, args, started, info, lengths, estimate)
+        estimate, peak = longctx.check_memory(info, [max(lengths) + tokens], args.chunk, args.force,
+                                              all_logits=False)
+    return Opening(kind, args, started, info, lengths, estimate, peak)
 
 
 __all__ = ["Opening", "open_evaluation"]

@@ -285,7 +285,7 @@ def run(args: PasskeySettings) -> list[dict]:
     out = opening.announce()
     log = RecordLog(out, {"model": str(info.path), "schedule": info.schedule, "lengths": lengths,
                           "trials": args.trials, "depths": args.depths, "seed": args.seed}, Trial)
-    with log.resumed("passkey", "trials", args.trials * len(lengths)) as done:
+    with log.resumed("passkey", "trials", args.trials * len(lengths)) as done, opening.held():
         trials, generator = run_passkey(info.model, info.tokenizer, lengths, args.trials, args.depths, args.seed,
                                         args.chunk, not args.no_progress, done=done, on_trial=log.append)
     accuracy = accuracy_by_length(trials)

@@ -192,7 +192,8 @@ def run(args: PerplexitySettings) -> list[LengthResult]:
     docs = load_documents(args.data, info.tokenizer, min_tokens, args.docs, truncate)
     bos = longctx.bos_id(info.tokenizer)
     out = opening.announce()
-    results = perplexity(info.model, docs, lengths, args.stride, bos, args.chunk, not args.no_progress)
+    with opening.held():
+        results = perplexity(info.model, docs, lengths, args.stride, bos, args.chunk, not args.no_progress)
     print(f"{METRIC}; stride {args.stride}; {len(docs)} documents")
     print(format_table(info.label, results))
     out.parent.mkdir(parents=True, exist_ok=True)

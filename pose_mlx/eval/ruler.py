@@ -355,7 +355,7 @@ def run(args: RulerSettings) -> RulerRun:
                           "samples": args.samples, "seed": args.seed, "depths": args.depths,
                           "haystack": args.haystack, "chat": builder.fmt.chat,
                           "max_new_tokens": args.max_new_tokens}, Record)
-    with log.resumed("ruler", "samples", args.samples * len(tasks) * len(lengths)) as done:
+    with log.resumed("ruler", "samples", args.samples * len(tasks) * len(lengths)) as done, opening.held():
         scored = run_ruler(info.model, info.tokenizer, lengths, tasks, args.samples, args.seed, chunk=args.chunk,
                            max_new_tokens=args.max_new_tokens, show_progress=not args.no_progress, builder=builder,
                            done=done, on_record=log.append)
