@@ -388,6 +388,10 @@ def screening_section(protocol: dict) -> list[str]:
         lines.append(f"| {name} | " + " | ".join(pk) + f" | {shown} | {'-' if ppl is None else f'{ppl:.2f}'} |")
     lines += ["", f"The base's unseen-domain perplexity on the screening's device: "
               f"{'-' if base is None else f'{base:.2f}'}. Winner: {winner or 'not decided yet (candidates unmeasured)'}."]
+    if "pose-yarn-again" in numbers:
+        lines += ["", "`pose-yarn-again` is the confirmation's PoSE + YaRN recipe fine-tuned again beside the candidates, "
+                  "on their device: a recipe pays if it beats this row, not the confirmation's run (see "
+                  "`docs/evidence.md`, where a run was trained)."]
     return lines
 
 
