@@ -270,6 +270,7 @@ def collect(protocol: dict) -> dict:
                 entry.setdefault("ppl_unseen", {})[length] = record["results"][0]["ppl"]
             elif kind == "ppl":
                 entry.setdefault("ppl", {})[length] = record["results"][0]["ppl"]
+                entry.setdefault("ppl_documents", {})[length] = record["documents"]
             else:
                 scores = entry.setdefault("ruler", {"scores": {}, "samples": record.get("samples")})
                 scores["scores"].update({f"{r['task']}@{r['length']}": r["score"] for r in record["results"]})
@@ -334,6 +335,13 @@ def write_report(protocol: dict, runs: dict, tests: list[dict], head: str) -> Pa
             scores = [v for k, v in r.get("ruler", {}).get("scores", {}).items() if k.endswith(f"@{n}")]
             numbers.append(f"{sum(scores) / len(scores):.2f}" if scores else "-")
         lines.append(f"| {name} | {r['role']} | " + " | ".join(pk + numbers) + " |")
+    registered = protocol["perplexity"]["target"]["documents"]
+    scored = sorted({r["ppl_documents"][str(protocol["target"])] for r in runs.values()
+                     if str(protocol["target"]) in r.get("ppl_documents", {})})
+    if scored and scored != [registered]:
+        lines += ["", f"Perplexity at {protocol['target']}: the protocol registered {registered} held-out documents, "
+                  f"but only {' or '.join(map(str, scored))} of them reach {protocol['target']} tokens, so the column is "
+                  "over those (a deviation found after the trials ran; the documents were not changed)."]
     lines += ["", "## The pre-registered test", "",
               "PoSE minus control passkey accuracy; Newcombe's hybrid score interval, 95%; better if the interval "
               "lies above 0, worse if below, else not distinguishable. Discordant pairs: matched trials (same key, "

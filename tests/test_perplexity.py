@@ -134,6 +134,20 @@ def test_scoring_runs_with_mlx_cache_held_to_the_predicted_peak(folder, tmp_path
     assert mx.set_cache_limit(before) == before
 
 
+def test_fewer_long_enough_documents_than_asked_for_are_said(folder, tmp_path, capsys):
+    """--docs is an upper bound: with fewer documents of the needed length the command scores those and says
+    so on stderr (a protocol asking for 4 documents learns it got 3)."""
+    data = _corpus(tmp_path, n_docs=3, sentences=2)  # about 12, 24 and 36 tokens
+    out = tmp_path / "p.json"
+    rc = ppl.main(["--model", str(folder), "--data", str(data), "--lengths", "16", "--stride", "8",
+                   "--docs", "3", "--min-doc-tokens", "20", "--output", str(out), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 0
+    documents = json.loads(out.read_text())["documents"]
+    assert documents < 3
+    assert f"note: {documents} document(s) of --data have at least 20 tokens, fewer than the --docs 3" in err
+
+
 def test_truncate_lets_separate_runs_score_the_tokens_of_a_joint_run(folder, tmp_path, capsys):
     """A 32-token run with --truncate 63 scores exactly what the joint 32,64 run scores at 32 (its default
     truncation is 64 - 1), so lengths run one at a time stay comparable."""

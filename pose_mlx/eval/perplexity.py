@@ -190,6 +190,9 @@ def run(args: PerplexitySettings) -> list[LengthResult]:
         raise UserError(f"--truncate {truncate} is shorter than a window of {max(lengths)} tokens needs "
                         f"({max(lengths) - 1} after BOS)")
     docs = load_documents(args.data, info.tokenizer, min_tokens, args.docs, truncate)
+    if len(docs) < args.docs:
+        print(f"note: {len(docs)} document(s) of --data have at least {min_tokens} tokens, fewer than the --docs "
+              f"{args.docs} asked for; scoring those", file=sys.stderr)
     bos = longctx.bos_id(info.tokenizer)
     out = opening.announce()
     with opening.held():
