@@ -332,7 +332,6 @@ def default_output(kind: str, info: EvalModel, given: str | None) -> Path:
 
 __all__ = [
     "DEFAULT_CHUNK", "EvalModel", "EvalSettings", "bos_id", "cache_held_to", "check_chunk", "check_memory",
-    "chunked_logits",
-    "chunked_nll", "default_output", "encode", "eval_parser", "load_eval_model",
-    "prefill", "resolve_lengths", "settings_defaults",
+    "chunked_logits", "chunked_nll", "default_output", "encode", "eval_parser", "load_eval_model", "prefill",
+    "resolve_lengths", "settings_defaults",
 ]
