@@ -153,6 +153,12 @@ class RunSettings:
                               aliases=("grad_accumulation_steps",))
     warmup: int = setting(10, "linear warm-up updates, then linear decay to 0 (default 10)", rule=between(0, 10**9))
     max_grad_norm: float = setting(1.0, "clip the global gradient norm (default 1.0)", rule=POSITIVE)
+    loss_scale: float | None = setting(
+        None, "multiply the loss by this before the backward pass and divide the gradients by it after, so that "
+              "float16 gradients keep their digits (default: 4096 for a model that computes in float16, as a GGUF "
+              "file does on a GPU, else 1); costs nothing. Lower it if a float16 run stops with a non-finite "
+              "gradient norm",
+        rule=Rule(lambda v: math.isfinite(v) and v >= 1, "{flag} must be a finite number >= 1, got {value}"))
     grad_checkpoint: bool = setting(False, flags=(Flag(
         "--grad-checkpoint", "recompute block activations in the backward pass: slower (a second forward of each "
         "block), the memory saved depends on the run (Llama-2-7B LoRA at a 4k window: 94 -> 24 GiB on the CPU, 97 "

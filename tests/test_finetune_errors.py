@@ -174,6 +174,7 @@ def test_resume_with_changed_settings_is_refused(tiny_model, text_dir, tmp_path,
     (["--window", "0"], "--window"),  # 0 must not silently mean "the default"
     (["--min-length", "0"], "--min-length"),
     (["--max-grad-norm", "0"], "--max-grad-norm"),  # clipping to 0 would zero every update
+    (["--loss-scale", "0.5"], "--loss-scale"),  # a scale below 1 would push float16 gradients further down
     (["--lr", "0"], "--lr"),
     (["--steps", "0"], "--steps"),
     (["--eval-every", "2", "--eval-batches", "0"], "--eval-batches"),

@@ -17,7 +17,7 @@ import mlx.nn as nn
 from ..memory import compute_backend
 from .data import training_data
 from .lora import add_lora
-from .loop import TrainConfig, check_not_collapsed, probe_loss, read_log, train
+from .loop import TrainConfig, check_not_collapsed, loss_scale_for, probe_loss, read_log, train
 
 
 def fine_tune(model: nn.Module, tokenizer, plan, at_positions) -> dict:
@@ -25,6 +25,7 @@ def fine_tune(model: nn.Module, tokenizer, plan, at_positions) -> dict:
     s, world = plan.settings, plan.world
     if s.sampler == "none":
         return {}
+    loss_scale = loss_scale_for(model, s.loss_scale)  # from the base weights' precision, before LoRA is added
     if plan.lora is not None:
         add_lora(model, plan.lora, s.seed)
     else:
@@ -35,7 +36,7 @@ def fine_tune(model: nn.Module, tokenizer, plan, at_positions) -> dict:
               f"({data.skipped.describe()})", file=sys.stderr)
     config = TrainConfig(steps=s.steps, lr=s.lr, warmup=s.warmup, max_grad_norm=s.max_grad_norm,
                          grad_accum=s.grad_accum, grad_checkpoint=s.grad_checkpoint, compile=s.compile,
-                         save_every=s.save_every, eval_every=s.eval_every, progress=s.progress)
+                         loss_scale=loss_scale, save_every=s.save_every, eval_every=s.eval_every, progress=s.progress)
     t0 = time.perf_counter()
     before = probe_loss(model, data.probe, at_positions)
     last = train(model, data.stream, config, plan.partial, at_positions, data.eval_batches, resume=plan.resume,
@@ -48,7 +49,7 @@ def fine_tune(model: nn.Module, tokenizer, plan, at_positions) -> dict:
             "tokens_per_step": last["tokens"], "seconds": time.perf_counter() - t0,
             "peak_memory_gb": max(r["peak_memory_gb"] or 0.0 for r in log), "eval_loss": evals[-1] if evals else None,
             "data_fingerprint": data.fingerprint, "training": "full" if plan.lora is None else "lora",
-            "lr": s.lr, "seed": s.seed}
+            "lr": s.lr, "seed": s.seed, "loss_scale": loss_scale}
 
 
 __all__ = ["fine_tune"]
