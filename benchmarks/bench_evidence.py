@@ -96,8 +96,8 @@ def convert_weights(src: Path, dst: Path, dtype: str) -> None:
 
 
 def protocol_finetune(t: dict, protocol: dict, gguf: Path, work: Path, train: Path, out: Path) -> list[str]:
-    """`pose_mlx.finetune` with the protocol's shared settings and the run's sampler, schedule and short share
-    (resumed when its run folder exists)."""
+    """`pose_mlx.finetune` with the protocol's shared settings and the run's sampler, schedule, short share and
+    loss scale (resumed when its run folder exists)."""
     if (out.with_name(out.name + ".partial") / "run.json").is_file():
         return resume_command(out)
     settings = protocol["training"]
@@ -107,6 +107,7 @@ def protocol_finetune(t: dict, protocol: dict, gguf: Path, work: Path, train: Pa
                               seed=settings["seed"], original=protocol["original"], target=protocol["target"],
                               schedule_params=t.get("schedule_params")),
             *(["--short-share", str(t["short_share"])] if "short_share" in t else []),
+            *(["--loss-scale", str(t["loss_scale"])] if "loss_scale" in t else []),
             "--save-every", "10", "--eval-every", "40", "--eval-batches", "4"]
 
 
@@ -396,6 +397,10 @@ def screening_section(protocol: dict) -> list[str]:
         lines.append(f"| {name} | " + " | ".join(pk) + f" | {shown} | {'-' if ppl is None else f'{ppl:.2f}'} |")
     lines += ["", f"The base's unseen-domain perplexity on the screening's device: "
               f"{'-' if base is None else f'{base:.2f}'}. Winner: {winner or 'not decided yet (candidates unmeasured)'}."]
+    if any(c["train"].get("loss_scale", 1) > 1 for c in protocol["recipe"]["candidates"].values()):
+        lines += ["", "Candidates named `*-scaled` are the second screening stage: the same recipes fine-tuned with the "
+                  "loss scaled by `train.loss_scale` (float16 gradients keep their digits; `docs/evidence.md`), "
+                  "registered after the first stage's results; the others were fine-tuned unscaled (`loss_scale: 1`)."]
     if "pose-yarn-again" in numbers:
         lines += ["", "`pose-yarn-again` is the confirmation's PoSE + YaRN recipe fine-tuned again beside the candidates, "
                   "on their device: a recipe pays if it beats this row, not the confirmation's run (see "

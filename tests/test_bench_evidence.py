@@ -35,3 +35,24 @@ def test_run_all_with_one_job_tries_each_task_once():
 
     assert run_all([("x",), ("y",)], task, jobs=1, label=1) == [("x",), ("y",)]
     assert calls == ["x", "y"]
+
+
+def test_protocol_fine_tunings_carry_their_loss_scale(tmp_path):
+    """Every screening candidate's fine-tuning command parses as pose_mlx.finetune settings with the loss scale
+    the protocol registers: 1 for the first stage (trained before loss scaling existed), 4096 for `*-scaled`."""
+    from benchmarks.bench_evidence import protocol_finetune
+    from benchmarks.protocol import load_protocol
+    from benchmarks.common import ROOT
+    from pose_mlx.settings import parse_invocation
+
+    protocol = load_protocol(ROOT / "benchmarks" / "protocols" / "real_model.yaml")
+    candidates = protocol["recipe"]["candidates"]
+    assert {n for n, c in candidates.items() if c["train"]["loss_scale"] > 1} == {
+        n for n in candidates if n.endswith("-scaled")}
+    for name, c in candidates.items():
+        cmd = protocol_finetune(c["train"], protocol, tmp_path / "m.gguf", tmp_path, tmp_path / "train",
+                                tmp_path / name)
+        assert cmd[0] == "pose_mlx.finetune"
+        settings = parse_invocation(cmd[1:]).settings
+        assert settings.loss_scale == c["train"]["loss_scale"], name
+        assert settings.sampler == c["train"]["sampler"] and settings.lr == protocol["training"]["lr"]
