@@ -63,12 +63,13 @@ def test_scaling_changes_nothing_in_float32(compile):
     assert 4.0 < r1.loss < 7.0  # about ln(256) = 5.5 for an untrained model: the loss is unscaled
 
 
-def test_scaling_keeps_float16_gradients():
+@pytest.mark.parametrize("compile", [False, True])
+def test_scaling_keeps_float16_gradients(compile):
     """Small logits (shrunk embeddings): a token's logit gradient (p - y) / T falls into float16's subnormal range,
     where the backward pass loses digits; scaled by 4096 the float16 gradients match float32's."""
     reference, _ = gradients(tiny(embed_factor=0.01), 1.0)
-    unscaled, _ = gradients(tiny(mx.float16, embed_factor=0.01), 1.0)
-    scaled, _ = gradients(tiny(mx.float16, embed_factor=0.01), FLOAT16_LOSS_SCALE)
+    unscaled, _ = gradients(tiny(mx.float16, embed_factor=0.01), 1.0, compile)
+    scaled, _ = gradients(tiny(mx.float16, embed_factor=0.01), FLOAT16_LOSS_SCALE, compile)
     assert relative_errors(unscaled, reference).max() > 0.05
     assert relative_errors(scaled, reference).max() < 0.01
 
