@@ -46,7 +46,7 @@ from mlx.utils import tree_flatten, tree_map_with_path
 from benchmarks.common import RESULTS_DIR, write_results
 from pose_mlx.model.patch import use_positions
 from pose_mlx.model.source import load
-from pose_mlx.training.loop import token_sum_loss
+from pose_mlx.training.loop import masked_loss, scaled_value_and_grad
 from pose_mlx.training.positions import pose_position_ids
 
 OUT = RESULTS_DIR / "grad_precision" / "grad_precision.json"
@@ -87,18 +87,16 @@ def load_trainable(run: Path):
 
 
 def lora_grads(model: nn.Module, batch: list[np.ndarray], positions: list[np.ndarray], scale: float) -> dict:
-    """Sum over the windows of d(scale * L)/d(LoRA) / scale, as float32 NumPy arrays keyed by parameter path."""
-    def loss_fn(m, x, y, mask):
-        return scale * token_sum_loss(m, x, y, mask) / mask.sum()
-
-    grad_fn = nn.value_and_grad(model, loss_fn)
+    """Sum over the windows of d(scale * L)/d(LoRA) / scale (the training loop's `scaled_value_and_grad`), as
+    float32 NumPy arrays keyed by parameter path."""
+    grad_fn = scaled_value_and_grad(model, masked_loss, scale)
     total = {}
     for ids, pos in zip(batch, positions):
         x, y = mx.array(ids[None, :-1]), mx.array(ids[None, 1:])
         mask = mx.ones(y.shape, dtype=mx.float32)
         with use_positions(model, mx.array(pos[None, :])):
             _, grads = grad_fn(model, x, y, mask)
-        flat = {k: np.array(v.astype(mx.float32)) / scale for k, v in tree_flatten(grads) if v.size}
+        flat = {k: np.array(v.astype(mx.float32)) for k, v in tree_flatten(grads) if v.size}
         total = {k: total.get(k, 0) + v for k, v in flat.items()}
     return total
 

@@ -365,6 +365,19 @@ def token_sum_loss(model: nn.Module, inputs: mx.array, targets: mx.array, mask: 
     return masked_loss(model, inputs, targets, mask) * mask.sum()
 
 
+def scaled_value_and_grad(model: nn.Module, loss_fn: Callable, scale: float = 1.0) -> Callable:
+    """`nn.value_and_grad(model, loss_fn)` with static loss scaling: differentiates `scale` * loss and returns
+    (loss, gradients) divided back by `scale` (exact for a power of two, barring overflow)."""
+    if scale == 1:
+        return nn.value_and_grad(model, loss_fn)
+    value_and_grad = nn.value_and_grad(model, lambda *a: loss_fn(*a) * scale)
+
+    def unscaled(*args):
+        loss, grads = value_and_grad(*args)
+        return loss / scale, tree_map(lambda g: g / scale, grads)
+    return unscaled
+
+
 def make_update(model: nn.Module, optimizer: optim.Optimizer, config: TrainConfig, at_positions: Callable,
                 world: World = SINGLE):
     """`update(batches, stop=False) -> UpdateResult`: one optimizer update over `config.grad_accum` micro-batches
@@ -378,14 +391,11 @@ def make_update(model: nn.Module, optimizer: optim.Optimizer, config: TrainConfi
     model's and the optimizer's state.
     """
     distributed = world.size > 1
-    loss_fn, scale = token_sum_loss if distributed else masked_loss, config.loss_scale
-    value_and_grad = nn.value_and_grad(model, loss_fn if scale == 1 else lambda *a: loss_fn(*a) * scale)
+    value_and_grad = scaled_value_and_grad(model, token_sum_loss if distributed else masked_loss, config.loss_scale)
 
     def gradients(inputs, targets, mask, positions, stop):
         with at_positions(model, *positions):
             loss, grads = value_and_grad(model, inputs, targets, mask)
-        if scale != 1:
-            loss, grads = loss / scale, tree_map(lambda g: g / scale, grads)
         if not distributed:
             return loss, grads, mask.sum(), stop
         (loss, grads), count, stop = world.mean_of_sums((loss, grads), mask.sum(), stop)
@@ -502,4 +512,4 @@ def check_not_collapsed(model: nn.Module, batch, at_positions: Callable, before:
 __all__ = ["COLLAPSE_MARGIN", "Collapsed", "FLOAT16_LOSS_SCALE", "Interrupted", "NonFinite", "TrainConfig",
            "UpdateResult", "append_log", "check_not_collapsed", "collapse_ceiling", "compute_dtype", "evaluate",
            "learning_rate_schedule", "loss_scale_for", "make_optimizer", "make_update", "masked_loss", "probe_loss",
-           "read_log", "token_sum_loss", "train", "truncate_log"]
+           "read_log", "scaled_value_and_grad", "token_sum_loss", "train", "truncate_log"]
