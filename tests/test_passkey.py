@@ -139,7 +139,9 @@ def test_interrupted_run_takes_up_its_finished_trials(tiny, tmp_path, capsys, mo
     capsys.readouterr()
     assert passkey.main([*flags, "--output", str(out)]) == 0
     assert "taking up 2 of 6 trials" in capsys.readouterr().err and len(appended) == 4
-    assert json.loads(out.read_text())["trials"] == json.loads((tmp_path / "whole.json").read_text())["trials"]
+    resumed, whole = json.loads(out.read_text()), json.loads((tmp_path / "whole.json").read_text())
+    assert resumed["trials"] == whole["trials"]
+    assert resumed["cost"]["taken_up"] == 2 and whole["cost"]["taken_up"] == 0  # whose time `seconds` lacks
     assert not (tmp_path / "pk.json.partial.jsonl").exists()
     (tmp_path / "pk.json.partial.jsonl").write_text(json.dumps({"model": "another"}) + "\n")
     appended = count_appends(monkeypatch)

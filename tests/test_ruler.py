@@ -404,7 +404,9 @@ def test_interrupted_run_takes_up_its_finished_samples(tiny, tmp_path, capsys, m
     assert ruler.main([*argv, "--output", str(out)]) == 0
     assert "taking up 3 of 8 samples" in capsys.readouterr().err and len(appended) == 5
     whole = json.loads((tmp_path / "whole.json").read_text())
-    assert json.loads(out.read_text())["records"] == whole["records"]
+    resumed = json.loads(out.read_text())
+    assert resumed["records"] == whole["records"]
+    assert resumed["cost"]["taken_up"] == 3 and whole["cost"]["taken_up"] == 0  # whose time `seconds` lacks
     assert not (tmp_path / "r.json.partial.jsonl").exists()
 
 

@@ -259,13 +259,15 @@ def cache_held_to(limit: int) -> Iterator[None]:
         mx.set_cache_limit(previous)
 
 
-def run_cost(started: float) -> dict:
+def run_cost(started: float, taken_up: int | None = None) -> dict:
     """What this invocation cost: wall seconds since `started` (a `time.perf_counter()`), the peak of MLX's
     allocator (`mx.get_peak_memory()`, as training records it) and the process's peak resident memory, which also
-    holds what lives outside MLX (NumPy's attention tiles, the tokenizer, Python), both in GiB."""
+    holds what lives outside MLX (NumPy's attention tiles, the tokenizer, Python), both in GiB; for a resumable
+    evaluation, `taken_up`: the records an interrupted run had finished, whose time is not in `seconds`."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    return {"seconds": round(time.perf_counter() - started, 3), "peak_memory_gb": mx.get_peak_memory() / 2**30,
+    cost = {"seconds": round(time.perf_counter() - started, 3), "peak_memory_gb": mx.get_peak_memory() / 2**30,
             "max_rss_gb": rss / 2**30}
+    return cost if taken_up is None else {**cost, "taken_up": taken_up}
 
 
 # ---------------------------------------------------------------------------------------------------- CLI

@@ -299,7 +299,7 @@ def run(args: PasskeySettings) -> list[dict]:
     record = {"model": info.path, "schedule": info.schedule, "seed": args.seed, "lengths": lengths,
               "accuracy": accuracy, "depth_accuracy": {"depths": labels, "lengths": grid_lengths,
                                                        "accuracy": np.where(np.isnan(grid), None, grid).tolist()},
-              "trials": [asdict(t) for t in trials], "cost": longctx.run_cost(opening.started)}
+              "trials": [asdict(t) for t in trials], "cost": longctx.run_cost(opening.started, taken_up=len(done))}
     out.write_text(json.dumps(record, indent=2) + "\n")
     log.remove()
     from ..plots import heatmap, line_vs_length  # matplotlib: loaded once there is something to plot

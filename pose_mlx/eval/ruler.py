@@ -364,7 +364,7 @@ def run(args: RulerSettings) -> RulerRun:
           f"{scored.prompt_tokens} prompt tokens computed, the rest reused from the KV cache)")
     print(format_table(scored, args.threshold))
     record = record_json(scored, info, args, args.threshold, builder.fmt.chat)
-    record["cost"] = longctx.run_cost(opening.started)
+    record["cost"] = longctx.run_cost(opening.started, taken_up=len(done))
     png = write_outputs(out, record, scored)
     log.remove()
     print(f"wrote {out} and {png}", file=sys.stderr)
