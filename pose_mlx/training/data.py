@@ -638,14 +638,13 @@ class TrainingData:
     skipped: ReadStats
 
 
-def training_data(settings, tokenizer, window: int, target: int, world, backend: str = "cpu") -> TrainingData:
+def training_data(settings, tokenizer, window: int, target: int, world, row_multiple: int = 1) -> TrainingData:
     """Tokenize `settings.data` (rank 0 first; the other ranks then read its cache) and build the streams.
 
     `settings` is a `pose_mlx.settings.RunSettings`. Documents shorter than `settings.min_length` (default: the
     example length) are dropped. Held-out batches (for `eval_every`) come from mlx-lm's valid.jsonl when the data
-    has one, else from a seeded `heldout` fraction of the documents. Rows are padded to a multiple of
-    `row_multiple(settings.align_rows, backend)` (`backend`: where MLX computes, "cpu", "metal" or "cuda")."""
-    multiple = row_multiple(getattr(settings, "align_rows", "off"), backend)
+    has one, else from a seeded `heldout` fraction of the documents. Rows are padded to a multiple of `row_multiple`
+    (the run plan's `memory.TrainSettings.row_multiple`, so that the trainer pads exactly as the memory plan predicted)."""
     length = target if settings.sampler == "full" else window
     min_length = settings.min_length or length
     cache = Path(settings.cache_dir).expanduser()
@@ -671,7 +670,7 @@ def training_data(settings, tokenizer, window: int, target: int, world, backend:
         return ExampleStream(c, window, target, sampler=settings.sampler, chunks=settings.chunks,
                              content=settings.content, batch_size=settings.batch_size * world.size // ranks,
                              seed=seed, pad_id=pad_id, rank=rank, world=ranks,
-                             short_share=settings.short_share, row_multiple=multiple)
+                             short_share=settings.short_share, row_multiple=row_multiple)
 
     eval_batches = None
     if heldout is not None:

@@ -14,7 +14,6 @@ import time
 
 import mlx.nn as nn
 
-from ..memory import compute_backend
 from .data import training_data
 from .lora import add_lora
 from .loop import TrainConfig, check_not_collapsed, loss_scale_for, probe_loss, read_log, train
@@ -30,7 +29,8 @@ def fine_tune(model: nn.Module, tokenizer, plan, at_positions) -> dict:
         add_lora(model, plan.lora, s.seed)
     else:
         model.unfreeze()
-    data = training_data(s, tokenizer, plan.window, plan.target, world, backend=compute_backend())
+    data = training_data(s, tokenizer, plan.window, plan.target, world,
+                         row_multiple=plan.memory_plan.settings.row_multiple)  # padded as the plan predicted
     if world.is_main and data.skipped.skipped():
         print(f"warning: --data {s.data}: skipped {data.skipped.skipped()} unreadable files or lines "
               f"({data.skipped.describe()})", file=sys.stderr)
