@@ -11,6 +11,7 @@ from pose_mlx.errors import EXIT_INTERRUPTED, UserError
 
 import mlx.core as mx
 
+from conftest import build_model
 from _eval_helpers import assert_cost, count_appends, make_eval_folder
 
 
@@ -84,6 +85,39 @@ def test_prefix_reuse_gives_the_same_answers_with_less_work(tiny):
     assert [t.answer for t in reused] == [t.answer for t in fresh]
     assert g2.computed == sum(t.prompt_tokens for t in fresh)
     assert g1.computed < g2.computed
+
+
+def test_a_dynamic_ntk_model_reuses_a_prefix_only_at_the_same_length(monkeypatch):
+    """Dynamic NTK rotates every key by a base set by the whole prompt's length: a prompt as long as the cached
+    one keeps their shared prefix and gets the last logits of one full forward pass; a longer one is computed
+    afresh. Sharing across lengths (forced below) would mix two bases and change the logits."""
+    from pose_mlx.model.patch import extend
+
+    model = build_model("llama")
+    extend(model, "dynamic", 32, 256)
+    rng = np.random.default_rng(5)
+    first = rng.integers(0, 97, size=120).tolist()
+    same = first[:80] + [(t + 1) % 97 for t in first[80:]]  # differs from token 80 on
+    longer = first[:80] + rng.integers(0, 97, size=60).tolist()
+    assert longer[80] != first[80]
+    returned = []
+    prefill = longctx.prefill
+    monkeypatch.setattr(longctx, "prefill", lambda *a, **k: returned.append(prefill(*a, **k)) or returned[-1])
+
+    def run(generator, prompts):
+        for prompt in prompts:
+            before = generator.computed
+            generator.generate(prompt, 3, stop=set())
+            yield generator.computed - before, np.array(returned[-1]), np.array(model(mx.array(prompt)[None])[0, -1])
+
+    steps = list(run(passkey.PrefixCachedGenerator(model, chunk=16), [first, same, longer]))
+    assert [computed for computed, *_ in steps] == [120, 40, 140]
+    for _, got, full in steps:
+        np.testing.assert_allclose(got, full, atol=1e-4)
+    forced = passkey.PrefixCachedGenerator(model, chunk=16)
+    forced.dynamic = False  # as if the base did not depend on the length
+    *_, (computed, got, full) = run(forced, [first, longer])
+    assert computed == 60 and np.abs(got - full).max() > 1e-3
 
 
 def test_trial_plan_keys_and_depths():

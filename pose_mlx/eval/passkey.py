@@ -5,7 +5,8 @@ key." at a relative depth, more filler, and "What is the pass key? The pass key 
 the model's own tokens, so each prompt (BOS included) has the requested length up to one filler sentence.
 The key is a uniform random 5-digit number; the answer is at most 10 greedily decoded tokens and is correct
 when its first integer equals the key. Prompts are evaluated through one KV cache: consecutive trials share
-their common prefix (the task line and the filler before the shallower needle), which is kept, not recomputed.
+their common prefix (the task line and the filler before the shallower needle), which is kept, not recomputed
+(for a dynamic-NTK model only between prompts of the same length, whose keys rotate by the same base).
 """
 
 from __future__ import annotations
@@ -89,14 +90,16 @@ class PrefixCachedGenerator:
     def __init__(self, model, chunk: int = longctx.DEFAULT_CHUNK, reuse: bool = True):
         self.model, self.chunk = model, chunk
         self.cache = make_prompt_cache(model)
-        # a dynamic-NTK model rotates keys by a base set by the whole prompt's length: no prefix is shared
-        dynamic = getattr(getattr(model, "pose_extension", None), "dynamic", False)
-        self.reuse = reuse and not dynamic and can_trim_prompt_cache(self.cache)
+        self.dynamic = getattr(getattr(model, "pose_extension", None), "dynamic", False)
+        self.reuse = reuse and can_trim_prompt_cache(self.cache)
         self.cached: list[int] = []  # the tokens whose keys/values are in the cache
+        self.prompt_length = 0  # the length of the prompt they began with
         self.computed = 0  # prompt tokens actually fed through the model (for the reuse statistic)
 
     def _keep(self, prompt: list[int]) -> int:
-        if not self.reuse:
+        # a dynamic-NTK model rotates every key by a base set by the whole prompt's length: the cached keys are
+        # the ones a fresh pass would compute only when the new prompt is exactly as long as the cached one
+        if not self.reuse or (self.dynamic and len(prompt) != self.prompt_length):
             return 0
         limit = min(len(self.cached), len(prompt) - 1)  # feed at least one token to get logits
         shared = 0
@@ -112,7 +115,7 @@ class PrefixCachedGenerator:
             self.cache = make_prompt_cache(self.model)
         logits = longctx.prefill(self.model, prompt[keep:], self.cache, self.chunk, room=max_new)
         self.computed += len(prompt) - keep
-        self.cached = list(prompt)
+        self.cached, self.prompt_length = list(prompt), len(prompt)
         out: list[int] = []
         while len(out) < max_new:
             token = int(mx.argmax(logits).item())
