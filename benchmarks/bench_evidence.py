@@ -1,6 +1,6 @@
 """The pre-registered evidence for the real model: runs `benchmarks/protocols/real_model.yaml` as it stands.
 
-    python -m benchmarks.bench_evidence [--stage train|eval|report|all] [--only RUN] [--max-length N]
+    python -m benchmarks.bench_evidence [--stage screen|train|eval|report|all|status] [--only RUN] [--max-length N]
 
 Every run of the protocol is evaluated with the project's own commands and the SmolLM2 GGUF file:
 - trained runs are rebuilt from their committed LoRA adapters (`adapters/<train>/`: `pose_mlx.convert` + the
@@ -15,7 +15,9 @@ Every run of the protocol is evaluated with the project's own commands and the S
   `ppl_unseen`, `ppl`, `ruler`, the devices) on top of its entry in `runs`, the exploratory stage's numbers
   (`bench_real_model`, which keeps them there) under its `exploratory` key; and `protocol/report.md`,
   `protocol/passkey.png`; then it brings `sim_agreement` (the simulator's ranking of the methods against the real
-  model's, `sim_agreement`) up to date in both results.json files and the simulator's report.
+  model's, `sim_agreement`) up to date in both results.json files and the simulator's report;
+- `--stage status` runs nothing: it lists every evaluation as done (with its device), partly done (the records an
+  interrupted run left, which the next run takes up) or waiting.
 """
 
 from __future__ import annotations
@@ -57,6 +59,11 @@ def device() -> str:
     return f"{where} {name} on {platform.machine()} ({platform.node()})"
 
 
+def adapters_folder(name: str, spec: dict) -> Path:
+    """Where a trained run's LoRA adapters are committed (the protocol's `adapters`, else `protocol/adapters/`)."""
+    return ROOT / spec["adapters"] if "adapters" in spec else REAL_MODEL / "protocol" / "adapters" / train_name(name, spec)
+
+
 def ensure_trained(name: str, spec: dict, protocol: dict, gguf: Path, work: Path, train: Path) -> Path:
     """The model folder of a trained run, evaluated as committed: fine-tuned with the protocol's settings when no
     adapters are committed (then its adapters are committed in float16), and always rebuilt from the committed
@@ -64,7 +71,7 @@ def ensure_trained(name: str, spec: dict, protocol: dict, gguf: Path, work: Path
     evaluates the same model."""
     folder_name = train_name(name, spec)
     out = work / "runs" / folder_name
-    adapters = ROOT / spec["adapters"] if "adapters" in spec else REAL_MODEL / "protocol" / "adapters" / folder_name
+    adapters = adapters_folder(name, spec)
     source = adapters if adapters.is_dir() else None
     if source is None:
         trained = work / "trained" / folder_name
@@ -147,6 +154,37 @@ def evaluations(protocol: dict, max_length: int | None) -> list[tuple[str, str, 
     return [item for item in order if max_length is None or item[2] <= max_length]
 
 
+def records(name: str, kind: str, length: int, protocol: dict, screening: bool = False) -> int | None:
+    """How many records (passkey trials, RULER samples) an evaluation writes; None for perplexity."""
+    if kind == "passkey":
+        if screening:
+            return protocol["recipe"]["screening"]["passkey_trials"][length]
+        role = protocol["runs"][name]["role"]
+        return protocol["passkey"]["trials_base" if role == "base" else "trials"][length]
+    if kind == "ruler":
+        return protocol["ruler"]["samples"] * len(protocol["ruler"]["tasks"])
+    return None
+
+
+def standing(name: str, kind: str, length: int, protocol: dict, screening: bool = False) -> str:
+    """Where one evaluation stands: "done (<device>)", "k/n" (the records an interrupted run left in its
+    `.partial.jsonl`, which the next run takes up) or "waiting"."""
+    path = (SCREEN if screening else EVAL) / f"{name}.{kind}.{length}.json"
+    if path.is_file():
+        return f"done ({json.loads(path.read_text()).get('device', 'device not recorded')})"
+    partial = path.with_suffix(".partial.json.partial.jsonl")  # evaluate's --output, then RecordLog's suffix
+    if not partial.is_file():
+        return "waiting"
+    finished = 0
+    for line in partial.read_text().splitlines()[1:]:  # after the header; a torn last line is not counted
+        try:
+            json.loads(line)
+        except json.JSONDecodeError:
+            break
+        finished += 1
+    return f"{finished}/{records(name, kind, length, protocol, screening) or '?'} in a partial record"
+
+
 def evaluate(name: str, kind: str, length: int, protocol: dict, gguf: Path, work: Path, test: Path,
              screening: bool = False) -> Path:
     """One cached evaluation's JSON (run when missing): of the confirmation stage, or with `screening` of the
@@ -159,12 +197,8 @@ def evaluate(name: str, kind: str, length: int, protocol: dict, gguf: Path, work
     args = model_args(name, spec, protocol, gguf, work)
     log = work / "logs" / f"{'screen' if screening else 'protocol'}.{name}.{kind}.{length}.log"
     if kind == "passkey":
-        if screening:
-            n, seed = protocol["recipe"]["screening"]["passkey_trials"][length], protocol["recipe"]["screening"]["passkey_seed"]
-        else:
-            n = protocol["passkey"]["trials_base" if spec["role"] == "base" else "trials"][length]
-            seed = protocol["passkey"]["seed"]
-        cmd = passkey_command(args, length, n, seed)
+        seed = protocol["recipe"]["screening"]["passkey_seed"] if screening else protocol["passkey"]["seed"]
+        cmd = passkey_command(args, length, records(name, kind, length, protocol, screening), seed)
     elif kind == "ppl_unseen":
         u = protocol["perplexity"]["unseen"]
         cmd = perplexity_command(args, unseen_corpus(protocol, work), length, u["stride"], len(u["files"]), u["span"])
@@ -223,6 +257,37 @@ def screening_numbers(protocol: dict) -> dict:
     return out
 
 
+def screening_evaluations(protocol: dict, candidates: list[str]) -> list[tuple[str, str, int]]:
+    """(candidate or "none", kind, length) of the screening's evaluations, cheapest first."""
+    unseen = protocol["perplexity"]["unseen"]["length"]
+    tasks = [("none", "ppl_unseen", unseen)] + [(c, "ppl_unseen", unseen) for c in candidates]
+    tasks += [(c, "passkey", n) for n in sorted(protocol["recipe"]["screening"]["passkey_trials"]) for c in candidates]
+    return tasks + [(c, "ppl", protocol["target"]) for c in candidates]
+
+
+def status(protocol: dict, names: list[str], max_length: int | None) -> list[str]:
+    """`--stage status`: one line per evaluation, the confirmation's then the screening's, in the order they
+    run, and a count of each state (`standing`)."""
+    lines, counts = [], {}
+    candidates = {n: {"role": "pose", **c} for n, c in protocol["recipe"]["candidates"].items()}
+    sections = [("confirmation", [t for t in evaluations(protocol, max_length) if t[0] in names],
+                 {n: protocol["runs"][n] for n in names}, False),
+                ("screening", screening_evaluations(protocol, list(candidates)), candidates, True)]
+    for title, tasks, runs, screening in sections:
+        folder = SCREEN if screening else EVAL
+        lines.append(f"{title} ({folder.relative_to(ROOT) if folder.is_relative_to(ROOT) else folder}):")
+        trained = [n for n, spec in runs.items() if spec["role"] in ("control", "pose")]
+        untrained = [n for n in trained if not adapters_folder(n, runs[n]).is_dir()]
+        lines.append(f"  fine-tunings: {len(trained) - len(untrained)} of {len(trained)} have committed adapters"
+                     + (f"; not yet: {', '.join(untrained)}" if untrained else ""))
+        for name, kind, length in tasks:
+            state = standing(name, kind, length, protocol, screening)
+            key = state.split(" ")[0] if state.startswith(("done", "waiting")) else "partial"
+            counts[key] = counts.get(key, 0) + 1
+            lines.append(f"  {name} {kind} {length}: {state}")
+    return lines + [", ".join(f"{counts.get(k, 0)} {k}" for k in ("done", "partial", "waiting"))]
+
+
 def screen(protocol: dict, gguf: Path, work: Path, train: Path, test: Path, jobs: int) -> str | None:
     """The recipe screening: fine-tune every candidate with the protocol's settings, evaluate those trained on
     the screening's own trials (and the base's unseen-domain perplexity on the same device), write
@@ -232,10 +297,7 @@ def screen(protocol: dict, gguf: Path, work: Path, train: Path, test: Path, jobs
     untrained = run_all([(name, spec, protocol, gguf, work, train) for name, spec in candidates.items()],
                         ensure_trained, jobs, label=1)
     candidates = {name: spec for name, spec in candidates.items() if name not in {t[0] for t in untrained}}
-    unseen = protocol["perplexity"]["unseen"]["length"]
-    tasks = [("none", "ppl_unseen", unseen)] + [(c, "ppl_unseen", unseen) for c in candidates]
-    tasks += [(c, "passkey", n) for n in sorted(recipe["screening"]["passkey_trials"]) for c in candidates]
-    tasks += [(c, "ppl", protocol["target"]) for c in candidates]
+    tasks = screening_evaluations(protocol, list(candidates))
     failed = len(untrained) + len(run_all([(*t, protocol, gguf, work, test, True) for t in tasks], evaluate, jobs))
     numbers = screening_numbers(protocol)
     base = numbers.get("none", {}).get("ppl_unseen")
@@ -453,8 +515,9 @@ def main(argv=None) -> int:
     p.add_argument("--work", type=Path, default=Path("out/real_model"),
                    help="corpus, token cache, model folders and logs (default out/real_model)")
     p.add_argument("--docs", type=Path, default=DOCS, help="the reST sources (default %(default)s)")
-    p.add_argument("--stage", choices=("screen", "train", "eval", "report", "all"), default="all",
-                   help="what to run (screen: the recipe screening, whose winner then joins the runs)")
+    p.add_argument("--stage", choices=("screen", "train", "eval", "report", "all", "status"), default="all",
+                   help="what to run (screen: the recipe screening, whose winner then joins the runs; status: "
+                        "runs nothing, lists each evaluation as done, partly done or waiting)")
     p.add_argument("--jobs", type=int, default=1,
                    help="evaluations (and fine-tunings) run at once, each its own process (default 1; a GPU "
                         "with room for several models takes more)")
@@ -463,6 +526,11 @@ def main(argv=None) -> int:
                    help="evaluate only lengths up to this (the rest waits for a faster machine)")
     args = p.parse_args(argv)
     protocol = load_protocol(args.protocol)
+    if args.stage == "status":
+        protocol = with_winner(protocol)
+        names = [n for n in protocol["runs"] if not args.only or n in args.only]
+        print("\n".join(status(protocol, names, args.max_length)))
+        return 0
     gguf = model_file()
     train, test = corpus(args.work, 4, args.docs)
     if args.stage != "report":

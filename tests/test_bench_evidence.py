@@ -1,6 +1,7 @@
 """benchmarks/bench_evidence.py's scheduler: every task runs, failures are retried once alone, and the tasks that
-still fail come back (the screening evaluates only the candidates whose fine-tuning did not fail)."""
+still fail come back (the screening evaluates only the candidates whose fine-tuning did not fail); its status."""
 
+import json
 import threading
 
 from benchmarks.bench_evidence import run_all
@@ -56,3 +57,39 @@ def test_protocol_fine_tunings_carry_their_loss_scale(tmp_path):
         settings = parse_invocation(cmd[1:]).settings
         assert settings.loss_scale == c["train"]["loss_scale"], name
         assert settings.sampler == c["train"]["sampler"] and settings.lr == protocol["training"]["lr"]
+
+
+def test_status_reads_what_an_interrupted_evaluation_left(tmp_path, monkeypatch):
+    """`--stage status`: an evaluation is done (with its record's device), partly done (the records that
+    pose_mlx's RecordLog kept for an interrupted run at the output evaluate() gives it, a torn last line not
+    counted) or waiting."""
+    from dataclasses import dataclass
+
+    import benchmarks.bench_evidence as bench
+    from benchmarks.common import ROOT
+    from benchmarks.protocol import load_protocol
+    from pose_mlx.resumable import RecordLog
+
+    @dataclass
+    class Trial:
+        depth: float
+        correct: bool
+
+    monkeypatch.setattr(bench, "EVAL", tmp_path / "eval")
+    monkeypatch.setattr(bench, "SCREEN", tmp_path / "screen")  # nothing screened
+    protocol = load_protocol(ROOT / "benchmarks" / "protocols" / "real_model.yaml")
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "dynamic.passkey.32768.json").write_text(json.dumps({"device": "Device(gpu, 0) H200"}))
+    log = RecordLog((tmp_path / "eval" / "adapt-yarn.passkey.32768.json").with_suffix(".partial.json"), {"n": 24}, Trial)
+    log.start([Trial(1.0, False), Trial(0.95, True)])
+    log.append(Trial(0.9, True))
+    with open(log.path, "a") as f:
+        f.write('{"depth": 0.8')  # killed while writing
+    assert bench.standing("dynamic", "passkey", 32768, protocol) == "done (Device(gpu, 0) H200)"
+    assert bench.standing("adapt-yarn", "passkey", 32768, protocol) == "3/24 in a partial record"
+    assert bench.standing("none", "passkey", 32768, protocol) == "waiting"
+    assert [bench.records("none", "passkey", n, protocol) for n in (8192, 32768)] == [30, 10]  # the base's counts
+    assert bench.records("adapt-yarn", "ruler", 16384, protocol) == 5 * 3 and bench.records("none", "ppl", 32768, protocol) is None
+    lines = bench.status(protocol, ["dynamic", "adapt-yarn"], None)
+    assert "  adapt-yarn passkey 32768: 3/24 in a partial record" in lines
+    assert lines[-1].startswith("1 done, 1 partial, ")
