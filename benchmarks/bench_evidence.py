@@ -14,8 +14,9 @@ Every run of the protocol is evaluated with the project's own commands and the S
   `tests`, and for each of the protocol's runs its confirmation numbers (`passkey`, `passkey_trials`,
   `ppl_unseen`, `ppl`, `ruler`, the devices) on top of its entry in `runs`, the exploratory stage's numbers
   (`bench_real_model`, which keeps them there) under its `exploratory` key; and `protocol/report.md`,
-  `protocol/passkey.png`; then it brings `sim_agreement` (the simulator's ranking of the methods against the real
-  model's, `sim_agreement`) up to date in both results.json files and the simulator's report;
+  `protocol/passkey.png`, `protocol/tests.png` (the tests as a forest plot); then it brings `sim_agreement` (the
+  simulator's ranking of the methods against the real model's) up to date in both results.json files and the
+  simulator's report;
 - `--stage status` runs nothing: it lists every evaluation as done (with its device), partly done (the records an
   interrupted run left, which the next run takes up) or waiting.
 """
@@ -376,7 +377,7 @@ def goal_rows(protocol: dict, runs: dict, name: str) -> list[tuple[str, object, 
 
 
 def write_report(protocol: dict, runs: dict, tests: list[dict], head: str) -> Path:
-    """protocol/report.md and protocol/passkey.png: the confirmation stage as far as it has run."""
+    """protocol/report.md, protocol/passkey.png and protocol/tests.png: the confirmation stage as far as it has run."""
     out = REAL_MODEL / "protocol"
     lengths = sorted(protocol["passkey"]["trials"])
     lines = [f"# Confirmation stage of `{protocol['name']}` (pre-registered: "
@@ -417,6 +418,8 @@ def write_report(protocol: dict, runs: dict, tests: list[dict], head: str) -> Pa
                      + (f"{pairs['pose_only']} / {pairs['control_only']}" if pairs else "-") + " |")
     if not tests:
         lines.append("| - | - | - | - | - | not run yet | - |")
+    else:
+        lines += ["", "![the pre-registered tests as a forest plot](tests.png)"]
     lines += ["", f"## Goals of the headline run ({head})", "", "| goal | value | held |", "|---|---|---|"]
     for goal, value, held in goal_rows(protocol, runs, head):
         shown = "-" if value is None else f"{value:.2f}"
@@ -435,6 +438,7 @@ def write_report(protocol: dict, runs: dict, tests: list[dict], head: str) -> Pa
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text("\n".join(lines) + "\n")
     plot_passkey(runs, lengths, protocol["original"], out / "passkey.png")
+    plot_tests(tests, out / "tests.png")
     return out / "report.md"
 
 
@@ -496,6 +500,35 @@ def plot_passkey(runs: dict, lengths: list[int], original: int, path: Path) -> N
     ax.set_ylim(-0.05, 1.05)
     ax.set_title("Passkey, confirmation stage (95% Wilson intervals)")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_tests(tests: list[dict], path: Path) -> None:
+    """The pre-registered tests as a forest plot: PoSE minus control passkey accuracy with its 95% interval, one
+    row per (length, control), coloured by verdict."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not tests:
+        return
+    colours = {"better": "tab:green", "worse": "tab:red", "not distinguishable": "tab:gray"}
+    fig, ax = plt.subplots(figsize=(8, 0.9 + 0.45 * len(tests)))
+    for y, t in enumerate(reversed(tests)):
+        lo, hi = t["ci95"]
+        ax.errorbar(t["difference"], y, xerr=[[t["difference"] - lo], [hi - t["difference"]]], fmt="o", capsize=4,
+                    color=colours.get(t["verdict"], "black"), label=t["verdict"])
+    ax.axvline(0, color="black", linewidth=1)
+    ax.set_yticks(range(len(tests)), [f"{t['length'] // 1024}k: {t['pose']} vs {t['control']}" for t in reversed(tests)],
+                  fontsize=8)
+    ax.set_xlim(-1.05, 1.05)
+    ax.set_xlabel("passkey accuracy, PoSE minus control (95% Newcombe interval)")
+    handles = dict(zip(*ax.get_legend_handles_labels()[::-1]))  # one legend entry per verdict
+    ax.legend(handles.values(), handles.keys(), loc="lower right", fontsize=8)
+    ax.set_title("The pre-registered test: does PoSE beat each control?")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
