@@ -516,7 +516,7 @@ def plot_tests(tests: list[dict], path: Path) -> None:
     if not tests:
         return
     colours = {"better": "tab:green", "worse": "tab:red", "not distinguishable": "tab:gray"}
-    fig, ax = plt.subplots(figsize=(8, 0.9 + 0.45 * len(tests)))
+    fig, ax = plt.subplots(figsize=(9.5, 1.2 + 0.45 * len(tests)))
     for y, t in enumerate(reversed(tests)):
         lo, hi = t["ci95"]
         ax.errorbar(t["difference"], y, xerr=[[t["difference"] - lo], [hi - t["difference"]]], fmt="o", capsize=4,
@@ -527,7 +527,7 @@ def plot_tests(tests: list[dict], path: Path) -> None:
     ax.set_xlim(-1.05, 1.05)
     ax.set_xlabel("passkey accuracy, PoSE minus control (95% Newcombe interval)")
     handles = dict(zip(*ax.get_legend_handles_labels()[::-1]))  # one legend entry per verdict
-    ax.legend(handles.values(), handles.keys(), loc="lower right", fontsize=8)
+    ax.legend(handles.values(), handles.keys(), loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     ax.set_title("The pre-registered test: does PoSE beat each control?")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
