@@ -93,3 +93,23 @@ def test_status_reads_what_an_interrupted_evaluation_left(tmp_path, monkeypatch)
     lines = bench.status(protocol, ["dynamic", "adapt-yarn"], None)
     assert "  adapt-yarn passkey 32768: 3/24 in a partial record" in lines
     assert lines[-1].startswith("1 done, 1 partial, ")
+
+
+def test_the_tests_plot_draws_one_row_per_test_and_nothing_without_tests(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    from benchmarks.bench_evidence import plot_tests
+
+    tests = [{"length": 16384, "pose": "p", "control": c, "difference": d, "ci95": ci, "verdict": v}
+             for c, d, ci, v in [("dynamic", -0.03, [-0.18, 0.11], "not distinguishable"),
+                                 ("adapt-yarn", 0.7, [0.47, 0.83], "better")]]
+    drawn = {}
+    savefig = plt.Figure.savefig
+    monkeypatch.setattr(plt.Figure, "savefig", lambda fig, path, **k: drawn.update(fig=fig) or savefig(fig, path, **k))
+    plot_tests(tests, tmp_path / "tests.png")
+    ax = drawn["fig"].axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["16k: p vs adapt-yarn", "16k: p vs dynamic"]  # bottom up: the first test on top
+    assert sorted(t.get_text() for t in ax.get_legend().get_texts()) == ["better", "not distinguishable"]
+    assert (tmp_path / "tests.png").stat().st_size > 0
+    plot_tests([], tmp_path / "none.png")
+    assert not (tmp_path / "none.png").exists()
