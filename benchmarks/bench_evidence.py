@@ -259,11 +259,13 @@ def screening_numbers(protocol: dict) -> dict:
 
 
 def screening_evaluations(protocol: dict, candidates: list[str]) -> list[tuple[str, str, int]]:
-    """(candidate or "none", kind, length) of the screening's evaluations, cheapest first."""
+    """(candidate or "none", kind, length) of the screening's evaluations, cheapest first: the target perplexity
+    (one pass over each held-out document) before the passkey trials at the longer lengths (one prompt each)."""
     unseen = protocol["perplexity"]["unseen"]["length"]
+    short, *longer = sorted(protocol["recipe"]["screening"]["passkey_trials"])
     tasks = [("none", "ppl_unseen", unseen)] + [(c, "ppl_unseen", unseen) for c in candidates]
-    tasks += [(c, "passkey", n) for n in sorted(protocol["recipe"]["screening"]["passkey_trials"]) for c in candidates]
-    return tasks + [(c, "ppl", protocol["target"]) for c in candidates]
+    tasks += [(c, "passkey", short) for c in candidates] + [(c, "ppl", protocol["target"]) for c in candidates]
+    return tasks + [(c, "passkey", n) for n in longer for c in candidates]
 
 
 def status(protocol: dict, names: list[str], max_length: int | None) -> list[str]:
@@ -289,12 +291,15 @@ def status(protocol: dict, names: list[str], max_length: int | None) -> list[str
     return lines + [", ".join(f"{counts.get(k, 0)} {k}" for k in ("done", "partial", "waiting"))]
 
 
-def screen(protocol: dict, gguf: Path, work: Path, train: Path, test: Path, jobs: int) -> str | None:
-    """The recipe screening: fine-tune every candidate with the protocol's settings, evaluate those trained on
-    the screening's own trials (and the base's unseen-domain perplexity on the same device), write
-    `protocol/screening.json` and return the winner by the protocol's rule (None while incomplete)."""
+def screen(protocol: dict, gguf: Path, work: Path, train: Path, test: Path, jobs: int,
+           only: list[str] | None = None) -> str | None:
+    """The recipe screening: fine-tune every candidate (or those in `only`) with the protocol's settings, evaluate
+    those trained on the screening's own trials (and the base's unseen-domain perplexity on the same device), write
+    `protocol/screening.json` and return the winner by the protocol's rule, over every candidate's cached numbers
+    (None while they leave it open)."""
     recipe = protocol["recipe"]
-    candidates = {name: {"role": "pose", "train": c["train"]} for name, c in recipe["candidates"].items()}
+    candidates = {name: {"role": "pose", "train": c["train"]} for name, c in recipe["candidates"].items()
+                  if not only or name in only}
     untrained = run_all([(name, spec, protocol, gguf, work, train) for name, spec in candidates.items()],
                         ensure_trained, jobs, label=1)
     candidates = {name: spec for name, spec in candidates.items() if name not in {t[0] for t in untrained}}
@@ -462,7 +467,7 @@ def screening_section(protocol: dict) -> list[str]:
         ppl = r.get("ppl")
         lines.append(f"| {name} | " + " | ".join(pk) + f" | {shown} | {'-' if ppl is None else f'{ppl:.2f}'} |")
     lines += ["", f"The base's unseen-domain perplexity on the screening's device: "
-              f"{'-' if base is None else f'{base:.2f}'}. Winner: {winner or 'not decided yet (candidates unmeasured)'}."]
+              f"{'-' if base is None else f'{base:.2f}'}. Winner: {winner or 'not decided yet (what decides it is unmeasured)'}."]
     if any(c["train"].get("loss_scale", 1) > 1 for c in protocol["recipe"]["candidates"].values()):
         lines += ["", "Candidates named `*-scaled` are the second screening stage: the same recipes fine-tuned with the "
                   "loss scaled by `train.loss_scale` (float16 gradients keep their digits; `docs/evidence.md`), "
@@ -554,11 +559,14 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=1,
                    help="evaluations (and fine-tunings) run at once, each its own process (default 1; a GPU "
                         "with room for several models takes more)")
-    p.add_argument("--only", action="append", default=None, help="only these runs (repeatable)")
+    p.add_argument("--only", action="append", default=None, help="only these runs, or with --stage screen these candidates (repeatable)")
     p.add_argument("--max-length", type=int, default=None,
                    help="evaluate only lengths up to this (the rest waits for a faster machine)")
     args = p.parse_args(argv)
     protocol = load_protocol(args.protocol)
+    unknown = sorted(set(args.only or ()) - set(protocol["runs"]) - set(protocol["recipe"]["candidates"]))
+    if unknown:
+        p.error(f"--only: no run or candidate named {', '.join(unknown)} in {args.protocol}")
     if args.stage == "status":
         protocol = with_winner(protocol)
         names = [n for n in protocol["runs"] if not args.only or n in args.only]
@@ -569,7 +577,7 @@ def main(argv=None) -> int:
     if args.stage != "report":
         print(f"device: {device()}", flush=True)
     if args.stage == "screen":
-        winner = screen(protocol, gguf, args.work, train, test, args.jobs)
+        winner = screen(protocol, gguf, args.work, train, test, args.jobs, args.only)
         print(f"screening winner: {winner or 'not decided yet'}", flush=True)
         return 0
     protocol = with_winner(protocol)

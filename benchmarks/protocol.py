@@ -107,20 +107,34 @@ def discordant(a: list[dict], b: list[dict]) -> tuple[int, int]:
 
 
 def select_recipe(protocol: dict, screening: dict, base_ppl_unseen: float) -> str | None:
-    """The recipe that wins the screening, by the protocol's `recipe.selection` rule, or None while a candidate is
-    unmeasured. `screening` maps each candidate to {"passkey": {length: accuracy}, "ppl_unseen": float,
+    """The recipe that wins the screening, by the protocol's `recipe.selection` rule, or None while the measured
+    values leave it open. `screening` maps each candidate to {"passkey": {length: accuracy}, "ppl_unseen": float,
     "ppl": float} (lengths as ints). Qualified: passkey >= 0.95 at the shortest screened length and unseen-domain
     perplexity within 3% of the base's (`base_ppl_unseen`); among them the highest passkey at the longest screened
     length, ties broken by the lower target perplexity; with none qualified, the highest passkey at the shortest
-    length (ties: the lower target perplexity)."""
+    length (ties: the lower target perplexity). Deciding needs every candidate's short passkey and unseen
+    perplexity, the pool's passkey at the deciding length and the target perplexity of those tied at its top; a
+    value nothing else depends on cannot change the winner, so it is not waited for."""
     candidates = list(protocol["recipe"]["candidates"])
     lengths = sorted(protocol["recipe"]["screening"]["passkey_trials"])
     short, long = lengths[0], lengths[-1]
-    needed = [(c, short) for c in candidates] + [(c, long) for c in candidates]
-    if any(screening.get(c, {}).get("passkey", {}).get(n) is None for c, n in needed) or any(
-            screening.get(c, {}).get(k) is None for c in candidates for k in ("ppl_unseen", "ppl")):
+
+    def passkey(c: str, length: int) -> float | None:
+        return screening.get(c, {}).get("passkey", {}).get(length)
+
+    if any(passkey(c, short) is None or screening.get(c, {}).get("ppl_unseen") is None for c in candidates):
         return None
-    qualified = [c for c in candidates if screening[c]["passkey"][short] >= 0.95
+    qualified = [c for c in candidates if passkey(c, short) >= 0.95
                  and abs(screening[c]["ppl_unseen"] / base_ppl_unseen - 1) <= 0.03]
     pool, length = (qualified, long) if qualified else (candidates, short)
-    return max(pool, key=lambda c: (screening[c]["passkey"][length], -screening[c]["ppl"]))
+    if len(pool) == 1:
+        return pool[0]
+    if any(passkey(c, length) is None for c in pool):
+        return None
+    best = max(passkey(c, length) for c in pool)
+    top = [c for c in pool if passkey(c, length) == best]
+    if len(top) == 1:
+        return top[0]
+    if any(screening[c].get("ppl") is None for c in top):
+        return None
+    return min(top, key=lambda c: screening[c]["ppl"])

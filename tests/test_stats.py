@@ -115,5 +115,18 @@ def test_select_recipe_follows_the_registered_rule():
     numbers["a"]["passkey"][4096] = 0.8
     numbers["c"]["passkey"][4096] = 0.7
     assert select_recipe(protocol, numbers, 10.0) == "b"
-    del numbers["b"]["ppl"]
-    assert select_recipe(protocol, numbers, 10.0) is None  # unmeasured: no winner yet
+    del numbers["b"]["ppl"], numbers["a"]["passkey"][32768]
+    assert select_recipe(protocol, numbers, 10.0) == "b"  # alone at the top at 4k: its 32k numbers cannot matter
+    numbers["a"]["passkey"][4096] = 0.9
+    assert select_recipe(protocol, numbers, 10.0) is None  # a ties b at 4k and b's 32k perplexity is unmeasured
+    numbers["b"]["ppl"] = 4.6
+    assert select_recipe(protocol, numbers, 10.0) == "b"  # the tie goes to b's lower 32k perplexity (a: 5.0)
+    del numbers["c"]["ppl_unseen"]
+    assert select_recipe(protocol, numbers, 10.0) is None  # who qualifies is open while c's 2k perplexity is
+    numbers["c"]["ppl_unseen"], numbers["c"]["passkey"][4096] = 10.0, 1.0
+    del numbers["c"]["passkey"][32768]
+    assert select_recipe(protocol, numbers, 10.0) == "c"  # the only qualified candidate, whatever its 32k passkey
+    numbers["b"]["passkey"][4096] = 0.95
+    assert select_recipe(protocol, numbers, 10.0) is None  # b qualifies too: c's unmeasured 32k passkey decides
+    numbers["c"]["passkey"][32768] = 0.1
+    assert select_recipe(protocol, numbers, 10.0) == "b"  # b's 0.9 against c's 0.1
