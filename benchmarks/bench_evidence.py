@@ -38,6 +38,7 @@ from benchmarks.common import (DOCS, REAL_MODEL, ROOT, corpus, finetune_command,
 from benchmarks.protocol import PROTOCOLS, difference_tests, discordant, load_protocol, select_recipe
 from benchmarks.sim_agreement import refresh as refresh_sim_agreement
 from pose_mlx.analysis.stats import wilson
+from pose_mlx.resumable import read_partial
 
 EVAL = REAL_MODEL / "protocol" / "eval"
 SCREEN = REAL_MODEL / "protocol" / "screen"  # the recipe screening's evaluations (its own seed), never pooled with EVAL
@@ -176,14 +177,8 @@ def standing(name: str, kind: str, length: int, protocol: dict, screening: bool 
     partial = path.with_suffix(".partial.json.partial.jsonl")  # evaluate's --output, then RecordLog's suffix
     if not partial.is_file():
         return "waiting"
-    finished = 0
-    for line in partial.read_text().splitlines()[1:]:  # after the header; a torn last line is not counted
-        try:
-            json.loads(line)
-        except json.JSONDecodeError:
-            break
-        finished += 1
-    return f"{finished}/{records(name, kind, length, protocol, screening) or '?'} in a partial record"
+    _, finished = read_partial(partial)
+    return f"{len(finished)}/{records(name, kind, length, protocol, screening) or '?'} in a partial record"
 
 
 def evaluate(name: str, kind: str, length: int, protocol: dict, gguf: Path, work: Path, test: Path,

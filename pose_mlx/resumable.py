@@ -25,19 +25,14 @@ class RecordLog:
 
     def load(self) -> list:
         """The records of an interrupted run with the same header ([] when none; a torn last line is ignored)."""
-        if not self.path.is_file():
-            return []
-        lines = self.path.read_text().splitlines()
-        try:
-            if not lines or json.loads(lines[0]) != self.header:
-                return []
-        except json.JSONDecodeError:
+        header, rows = read_partial(self.path)
+        if header is None or header != self.header:
             return []
         records = []
-        for line in lines[1:]:
+        for row in rows:
             try:
-                records.append(self.record_type(**json.loads(line)))
-            except (json.JSONDecodeError, TypeError):
+                records.append(self.record_type(**row))
+            except TypeError:
                 break
         return records
 
@@ -69,4 +64,22 @@ class RecordLog:
         self.path.unlink(missing_ok=True)
 
 
-__all__ = ["RecordLog"]
+def read_partial(path: Path) -> tuple[dict | None, list]:
+    """(header, finished records as read from JSON) of a `.partial.jsonl` file, whoever wrote it: (None, []) when
+    the file is missing or its header unreadable; reading stops at the first unreadable line (a torn last line)."""
+    path = Path(path)
+    lines = path.read_text().splitlines() if path.is_file() else []
+    try:
+        header = json.loads(lines[0]) if lines else None
+    except json.JSONDecodeError:
+        return None, []
+    rows = []
+    for line in lines[1:]:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return header, rows
+
+
+__all__ = ["RecordLog", "read_partial"]
