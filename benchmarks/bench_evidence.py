@@ -253,6 +253,13 @@ def screening_numbers(protocol: dict) -> dict:
     return out
 
 
+def screening_winner(protocol: dict, numbers: dict) -> str | None:
+    """The winner by the protocol's rule over the screening's `numbers` (None while they leave it open, or before
+    the base's unseen-domain perplexity on the screening's device is measured)."""
+    base = numbers.get("none", {}).get("ppl_unseen")
+    return select_recipe(protocol, numbers, base) if base else None
+
+
 def screening_evaluations(protocol: dict, candidates: list[str]) -> list[tuple[str, str, int]]:
     """(candidate or "none", kind, length) of the screening's evaluations, cheapest first: the target perplexity
     (one pass over each held-out document) before the passkey trials at the longer lengths (one prompt each)."""
@@ -265,7 +272,7 @@ def screening_evaluations(protocol: dict, candidates: list[str]) -> list[tuple[s
 
 def status(protocol: dict, names: list[str], max_length: int | None) -> list[str]:
     """`--stage status`: one line per evaluation, the confirmation's then the screening's, in the order they
-    run, and a count of each state (`standing`)."""
+    run, a count of each state (`standing`) and the screening's winner as far as its numbers decide it."""
     lines, counts = [], {}
     candidates = {n: {"role": "pose", **c} for n, c in protocol["recipe"]["candidates"].items()}
     sections = [("confirmation", [t for t in evaluations(protocol, max_length) if t[0] in names],
@@ -283,7 +290,9 @@ def status(protocol: dict, names: list[str], max_length: int | None) -> list[str
             key = state.split(" ")[0] if state.startswith(("done", "waiting")) else "partial"
             counts[key] = counts.get(key, 0) + 1
             lines.append(f"  {name} {kind} {length}: {state}")
-    return lines + [", ".join(f"{counts.get(k, 0)} {k}" for k in ("done", "partial", "waiting"))]
+    winner = screening_winner(protocol, screening_numbers(protocol))
+    return lines + [", ".join(f"{counts.get(k, 0)} {k}" for k in ("done", "partial", "waiting")),
+                    f"screening winner: {winner or 'not decided yet (what decides it is unmeasured)'}"]
 
 
 def screen(protocol: dict, gguf: Path, work: Path, train: Path, test: Path, jobs: int,
@@ -301,8 +310,7 @@ def screen(protocol: dict, gguf: Path, work: Path, train: Path, test: Path, jobs
     tasks = screening_evaluations(protocol, list(candidates))
     failed = len(untrained) + len(run_all([(*t, protocol, gguf, work, test, True) for t in tasks], evaluate, jobs))
     numbers = screening_numbers(protocol)
-    base = numbers.get("none", {}).get("ppl_unseen")
-    winner = None if base is None else select_recipe(protocol, numbers, base)
+    winner = screening_winner(protocol, numbers)
     write_results("screening", {"selection": recipe["selection"], "numbers": numbers, "winner": winner,
                                 "failed": failed}, SCREEN.parent / "screening.json")
     return winner
@@ -449,7 +457,7 @@ def screening_section(protocol: dict) -> list[str]:
         return []
     lengths = sorted(protocol["recipe"]["screening"]["passkey_trials"])
     base = numbers.get("none", {}).get("ppl_unseen")
-    winner = select_recipe(protocol, numbers, base) if base else None
+    winner = screening_winner(protocol, numbers)
     lines = ["", "## Recipe screening (its own trials; never pooled with the table above)", "",
              f"Selection rule: {protocol['recipe']['selection']}", "",
              "| candidate | " + " | ".join(f"passkey {n}" for n in lengths) +

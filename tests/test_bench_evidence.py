@@ -92,7 +92,8 @@ def test_status_reads_what_an_interrupted_evaluation_left(tmp_path, monkeypatch)
     assert bench.records("adapt-yarn", "ruler", 16384, protocol) == 5 * 3 and bench.records("none", "ppl", 32768, protocol) is None
     lines = bench.status(protocol, ["dynamic", "adapt-yarn"], None)
     assert "  adapt-yarn passkey 32768: 3/24 in a partial record" in lines
-    assert lines[-1].startswith("1 done, 1 partial, ")
+    assert lines[-2].startswith("1 done, 1 partial, ")
+    assert lines[-1] == "screening winner: not decided yet (what decides it is unmeasured)"  # nothing screened
 
 
 def test_the_tests_plot_draws_one_row_per_test_and_nothing_without_tests(tmp_path, monkeypatch):
