@@ -543,11 +543,19 @@ def plot_tests(tests: list[dict], path: Path) -> None:
 
 
 def headline(protocol: dict, runs: dict) -> str:
-    """The recommended PoSE run: the only one of role pose, else the one with the highest passkey at the target
-    (the protocol's selection rule for recipes)."""
+    """The recommended PoSE run: the only one of role pose, else the better by the recipe selection rule
+    (`select_recipe`) over their confirmation numbers (passkey at the screened lengths, unseen-domain and target
+    perplexity) against the base's unseen-domain perplexity; while those leave it open, the first of them
+    measured at the target."""
     pose = [n for n, r in protocol["runs"].items() if r["role"] == "pose"]
-    target = str(protocol["target"])
-    return max(pose, key=lambda n: runs.get(n, {}).get("passkey", {}).get(target, -1.0))
+    unseen, target = str(protocol["perplexity"]["unseen"]["length"]), str(protocol["target"])
+    numbers = {n: {"passkey": {int(k): v for k, v in runs.get(n, {}).get("passkey", {}).items()},
+                   "ppl_unseen": runs.get(n, {}).get("ppl_unseen", {}).get(unseen),
+                   "ppl": runs.get(n, {}).get("ppl", {}).get(target)} for n in pose}
+    base = next((r.get("ppl_unseen", {}).get(unseen) for n, r in runs.items()
+                 if protocol["runs"].get(n, {}).get("role") == "base"), None)
+    chosen = select_recipe(protocol, numbers, base, names=pose) if len(pose) > 1 and base else None
+    return chosen or next((n for n in pose if numbers[n]["passkey"].get(int(target)) is not None), pose[0])
 
 
 def main(argv=None) -> int:

@@ -106,7 +106,8 @@ def discordant(a: list[dict], b: list[dict]) -> tuple[int, int]:
             sum(1 for x, y in zip(a, b) if y["correct"] and not x["correct"]))
 
 
-def select_recipe(protocol: dict, screening: dict, base_ppl_unseen: float) -> str | None:
+def select_recipe(protocol: dict, screening: dict, base_ppl_unseen: float,
+                  names: list[str] | None = None) -> str | None:
     """The recipe that wins the screening, by the protocol's `recipe.selection` rule, or None while the measured
     values leave it open. `screening` maps each candidate to {"passkey": {length: accuracy}, "ppl_unseen": float,
     "ppl": float} (lengths as ints). Qualified: passkey >= 0.95 at the shortest screened length and unseen-domain
@@ -114,8 +115,9 @@ def select_recipe(protocol: dict, screening: dict, base_ppl_unseen: float) -> st
     length, ties broken by the lower target perplexity; with none qualified, the highest passkey at the shortest
     length (ties: the lower target perplexity). Deciding needs every candidate's short passkey and unseen
     perplexity, the pool's passkey at the deciding length and the target perplexity of those tied at its top; a
-    value nothing else depends on cannot change the winner, so it is not waited for."""
-    candidates = list(protocol["recipe"]["candidates"])
+    value nothing else depends on cannot change the winner, so it is not waited for. `names`: choose among these
+    instead of the screening's candidates (the headline: the confirmation's PoSE runs on their own trials)."""
+    candidates = list(names or protocol["recipe"]["candidates"])
     lengths = sorted(protocol["recipe"]["screening"]["passkey_trials"])
     short, long = lengths[0], lengths[-1]
 

@@ -114,3 +114,26 @@ def test_the_tests_plot_draws_one_row_per_test_and_nothing_without_tests(tmp_pat
     assert (tmp_path / "tests.png").stat().st_size > 0
     plot_tests([], tmp_path / "none.png")
     assert not (tmp_path / "none.png").exists()
+
+
+def test_the_headline_is_the_better_pose_run_by_the_registered_rule():
+    """The screening's rule applied to the confirmation's PoSE runs, by hand: qualified = 4k passkey >= 0.95 and
+    unseen-domain perplexity within 3% of the base's; none qualified: the higher 4k passkey, ties to the lower 32k
+    perplexity; while the screening's winner is unmeasured, the run that has numbers."""
+    import benchmarks.bench_evidence as bench
+    from benchmarks.common import ROOT
+    from benchmarks.protocol import load_protocol
+
+    protocol = load_protocol(ROOT / "benchmarks" / "protocols" / "real_model.yaml")
+    protocol["runs"]["winner"] = {"role": "pose", "train": {}}
+    runs = {"none": {"ppl_unseen": {"2048": 14.81}},
+            "pose-yarn-lr3e-5": {"passkey": {"4096": 29 / 30, "32768": 20 / 24}, "ppl_unseen": {"2048": 14.25},
+                                 "ppl": {"32768": 5.55}}}
+    assert bench.headline(protocol, runs) == "pose-yarn-lr3e-5"  # the winner unmeasured
+    runs["winner"] = {"passkey": {"4096": 1.0, "32768": 0.5}, "ppl_unseen": {"2048": 15.6}, "ppl": {"32768": 6.31}}
+    # 14.25 is 3.8% below the base's 14.81 and 15.6 5.3% above: neither qualifies, the higher 4k passkey wins
+    assert bench.headline(protocol, runs) == "winner"
+    runs["winner"]["passkey"]["4096"] = 29 / 30
+    assert bench.headline(protocol, runs) == "pose-yarn-lr3e-5"  # tied at 4k: the lower 32k perplexity, 5.55
+    runs["winner"]["ppl_unseen"]["2048"] = 14.9  # 0.6% above: the only qualified run, whatever its 32k passkey
+    assert bench.headline(protocol, runs) == "winner"
