@@ -554,7 +554,7 @@ def headline(protocol: dict, runs: dict) -> str:
                    "ppl": runs.get(n, {}).get("ppl", {}).get(target)} for n in pose}
     base = next((r.get("ppl_unseen", {}).get(unseen) for n, r in runs.items()
                  if protocol["runs"].get(n, {}).get("role") == "base"), None)
-    chosen = select_recipe(protocol, numbers, base, names=pose) if len(pose) > 1 and base else None
+    chosen = select_recipe(protocol, numbers, base, names=pose) if base else None
     return chosen or next((n for n in pose if numbers[n]["passkey"].get(int(target)) is not None), pose[0])
 
 
