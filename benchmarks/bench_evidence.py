@@ -14,7 +14,8 @@ Every run of the protocol is evaluated with the project's own commands and the S
   `tests`, and for each of the protocol's runs its confirmation numbers (`passkey`, `passkey_trials`,
   `ppl_unseen`, `ppl`, `ruler`, the devices) on top of its entry in `runs`, the exploratory stage's numbers
   (`bench_real_model`, which keeps them there) under its `exploratory` key; and `protocol/report.md`,
-  `protocol/passkey.png`, `protocol/tests.png` (the tests as a forest plot); then it brings `sim_agreement` (the
+  `protocol/passkey.png`, `protocol/tests.png` (the tests as a forest plot), with the supplement of
+  `benchmarks.evidence_short_documents` (`ppl_supplement`) where it has run; then it brings `sim_agreement` (the
   simulator's ranking of the methods against the real model's) up to date in both results.json files and the
   simulator's report;
 - `--stage status` runs nothing: it lists every evaluation as done (with its device), partly done (the records an
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import platform
 import shutil
 import subprocess
@@ -42,6 +44,7 @@ from pose_mlx.resumable import read_partial
 
 EVAL = REAL_MODEL / "protocol" / "eval"
 SCREEN = REAL_MODEL / "protocol" / "screen"  # the recipe screening's evaluations (its own seed), never pooled with EVAL
+SUPPLEMENT = REAL_MODEL / "protocol" / "supplement"  # benchmarks.evidence_short_documents: added after the trials
 
 
 def train_name(name: str, spec: dict) -> str:
@@ -346,6 +349,7 @@ def collect(protocol: dict) -> dict:
             else:
                 scores = entry.setdefault("ruler", {"scores": {}, "samples": record.get("samples")})
                 scores["scores"].update({f"{r['task']}@{r['length']}": r["score"] for r in record["results"]})
+        entry.update(supplement(name, protocol))
         runs[name] = entry
     return runs
 
@@ -384,6 +388,23 @@ def goal_rows(protocol: dict, runs: dict, name: str) -> list[tuple[str, object, 
             for goal, value, check in rows]
 
 
+def supplement(name: str, protocol: dict) -> dict:
+    """{"ppl_supplement": {target: ...}} of a run whose held-out documents too short for the target were scored
+    whole (`benchmarks.evidence_short_documents`): their perplexity and documents, and the perplexity over all
+    held-out documents, token-weighted with the registered record, exp((n1 ln p1 + n2 ln p2) / (n1 + n2)); {}
+    while either record is missing."""
+    target = protocol["target"]
+    paths = (EVAL / f"{name}.ppl.{target}.json", SUPPLEMENT / f"{name}.ppl_whole.{target}.json")
+    if not all(p.is_file() for p in paths):
+        return {}
+    registered, short = (json.loads(p.read_text()) for p in paths)
+    (p1, n1), (p2, n2) = [(r["results"][0]["ppl"], r["results"][0]["tokens"]) for r in (registered, short)]
+    return {"ppl_supplement": {str(target): {
+        "short_documents": short["documents"], "ppl_short": p2, "tokens_short": n2, "device": short.get("device"),
+        "documents_all": registered["documents"] + short["documents"],
+        "ppl_all": math.exp((n1 * math.log(p1) + n2 * math.log(p2)) / (n1 + n2))}}}
+
+
 def write_report(protocol: dict, runs: dict, tests: list[dict], head: str) -> Path:
     """protocol/report.md, protocol/passkey.png and protocol/tests.png: the confirmation stage as far as it has run."""
     out = REAL_MODEL / "protocol"
@@ -414,6 +435,20 @@ def write_report(protocol: dict, runs: dict, tests: list[dict], head: str) -> Pa
         lines += ["", f"Perplexity at {protocol['target']}: the protocol registered {registered} held-out documents, "
                   f"but only {' or '.join(map(str, scored))} of them reach {protocol['target']} tokens, so the column is "
                   "over those (a deviation found after the trials ran; the documents were not changed)."]
+    extra = {n: r["ppl_supplement"][str(protocol["target"])] for n, r in runs.items()
+             if str(protocol["target"]) in r.get("ppl_supplement", {})}
+    if extra:
+        first = next(iter(extra.values()))
+        lines += ["", f"Supplement, added after the trials (not a registered number): the {first['short_documents']} "
+                  f"held-out document(s) too short for {protocol['target']} tokens scored whole, one window each "
+                  f"({first['tokens_short']:,} tokens), by the same runs (`python -m "
+                  "benchmarks.evidence_short_documents`), and the perplexity over all the held-out documents, "
+                  "token-weighted:", "",
+                  f"| run | ppl {protocol['target'] // 1024}k, registered | the short document(s), whole | "
+                  "all held-out documents |", "|---|---|---|---|"]
+        t = str(protocol["target"])
+        lines += [f"| {n} | {runs[n]['ppl'][t]:.2f} ({runs[n]['ppl_documents'][t]}) | {e['ppl_short']:.2f} "
+                  f"({e['short_documents']}) | {e['ppl_all']:.2f} ({e['documents_all']}) |" for n, e in extra.items()]
     lines += ["", "## The pre-registered test", "",
               "PoSE minus control passkey accuracy; Newcombe's hybrid score interval, 95%; better if the interval "
               "lies above 0, worse if below, else not distinguishable. Discordant pairs: matched trials (same key, "

@@ -18,11 +18,10 @@ import json
 import shutil
 from pathlib import Path
 
-from benchmarks.bench_evidence import EVAL, device, ensure_trained, model_args, run_all, with_winner
-from benchmarks.common import DOCS, REAL_MODEL, corpus, model_file, run_logged
+from benchmarks.bench_evidence import (EVAL, SUPPLEMENT, device, ensure_trained, model_args, run_all,
+                                       with_winner)
+from benchmarks.common import DOCS, corpus, model_file, run_logged
 from benchmarks.protocol import PROTOCOLS, load_protocol
-
-SUPPLEMENT = REAL_MODEL / "protocol" / "supplement"
 
 
 def short_documents(protocol: dict, test: Path) -> list[Path]:

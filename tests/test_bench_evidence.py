@@ -4,6 +4,9 @@ still fail come back (the screening evaluates only the candidates whose fine-tun
 import json
 import threading
 
+import pytest
+
+import benchmarks.bench_evidence as bench
 from benchmarks.bench_evidence import run_all
 
 
@@ -65,7 +68,6 @@ def test_status_reads_what_an_interrupted_evaluation_left(tmp_path, monkeypatch)
     counted) or waiting."""
     from dataclasses import dataclass
 
-    import benchmarks.bench_evidence as bench
     from benchmarks.common import ROOT
     from benchmarks.protocol import load_protocol
     from pose_mlx.resumable import RecordLog
@@ -120,7 +122,6 @@ def test_the_headline_is_the_better_pose_run_by_the_registered_rule():
     """The screening's rule applied to the confirmation's PoSE runs, by hand: qualified = 4k passkey >= 0.95 and
     unseen-domain perplexity within 3% of the base's; none qualified: the higher 4k passkey, ties to the lower 32k
     perplexity; while the screening's winner is unmeasured, the run that has numbers."""
-    import benchmarks.bench_evidence as bench
     from benchmarks.common import ROOT
     from benchmarks.protocol import load_protocol
 
@@ -137,3 +138,26 @@ def test_the_headline_is_the_better_pose_run_by_the_registered_rule():
     assert bench.headline(protocol, runs) == "pose-yarn-lr3e-5"  # tied at 4k: the lower 32k perplexity, 5.55
     runs["winner"]["ppl_unseen"]["2048"] = 14.9  # 0.6% above: the only qualified run, whatever its 32k passkey
     assert bench.headline(protocol, runs) == "winner"
+
+
+def test_the_short_documents_supplement_pools_token_weighted_and_finds_what_was_left_out(tmp_path, monkeypatch):
+    from benchmarks import evidence_short_documents as short
+    protocol = {"target": 32768, "perplexity": {"target": {"documents": 4}}}
+    for folder in ("eval", "supplement"):
+        monkeypatch.setattr(bench, folder.upper(), tmp_path / folder)
+        (tmp_path / folder).mkdir()
+    monkeypatch.setattr(short, "EVAL", tmp_path / "eval")
+    assert bench.supplement("run", protocol) == {}  # nothing measured yet
+    record = {"documents": 3, "results": [{"length": 32768, "ppl": 4.0, "tokens": 3}]}
+    (tmp_path / "eval" / "run.ppl.32768.json").write_text(json.dumps(record))
+    assert bench.supplement("run", protocol) == {}  # the supplement's record is missing
+    record = {"documents": 1, "results": [{"length": 32768, "ppl": 16.0, "tokens": 1}], "device": "cpu"}
+    (tmp_path / "supplement" / "run.ppl_whole.32768.json").write_text(json.dumps(record))
+    got = bench.supplement("run", protocol)["ppl_supplement"]["32768"]
+    # by hand: exp((3 ln 4 + 1 ln 16) / 4) = exp(10 ln 2 / 4) = 2 ** 2.5
+    assert got["ppl_all"] == pytest.approx(2 ** 2.5) and got["documents_all"] == 4 and got["ppl_short"] == 16.0
+    test = tmp_path / "test"
+    test.mkdir()
+    for name in ("0000-a.txt", "0001-b.txt", "0002-c.txt", "0003-d.txt"):
+        (test / name).write_text(name)
+    assert [p.name for p in short.short_documents(protocol, test)] == ["0003-d.txt"]
