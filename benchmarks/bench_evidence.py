@@ -439,9 +439,9 @@ def write_report(protocol: dict, runs: dict, tests: list[dict], head: str) -> Pa
              if str(protocol["target"]) in r.get("ppl_supplement", {})}
     if extra:
         first = next(iter(extra.values()))
-        lines += ["", f"Supplement, added after the trials (not a registered number): the {first['short_documents']} "
-                  f"held-out document(s) too short for {protocol['target']} tokens scored whole, one window each "
-                  f"({first['tokens_short']:,} tokens), by the same runs (`python -m "
+        lines += ["", "Supplement, added after the trials (not a registered number): the held-out documents too "
+                  f"short for {protocol['target']} tokens ({first['short_documents']}; {first['tokens_short']:,} "
+                  "tokens in all), each scored whole in one window by the same runs (`python -m "
                   "benchmarks.evidence_short_documents`), and the perplexity over all the held-out documents, "
                   "token-weighted:", "",
                   f"| run | ppl {protocol['target'] // 1024}k, registered | the short document(s), whole | "
