@@ -207,7 +207,13 @@ def evaluate(name: str, kind: str, length: int, protocol: dict, gguf: Path, work
     else:
         r = protocol["ruler"]
         cmd = ruler_command(args, str(length), ",".join(r["tasks"]), r["samples"], r["seed"], spec["role"] == "base")
-    folder.mkdir(parents=True, exist_ok=True)
+    return run_recorded(cmd, path, log)
+
+
+def run_recorded(cmd: list[str], path: Path, log: Path) -> Path:
+    """Run an evaluation command into `path` (its JSON, with the device added, and its PNGs beside it): written
+    under a `.partial` name first, so an interrupted run leaves no finished-looking record."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".partial.json")
     run_logged([*cmd, "--output", str(partial), "--no-progress"], log)
     record = json.loads(partial.read_text())
@@ -217,6 +223,14 @@ def evaluate(name: str, kind: str, length: int, protocol: dict, gguf: Path, work
     for png in partial.parent.glob(partial.stem + "*.png"):
         png.rename(png.with_name(png.name.replace(".partial", "")))
     return path
+
+
+def shared_arguments(p: argparse.ArgumentParser) -> None:
+    """--protocol, --work and --docs: what the evidence scripts share."""
+    p.add_argument("--protocol", type=Path, default=PROTOCOLS / "real_model.yaml", help="the protocol file")
+    p.add_argument("--work", type=Path, default=Path("out/real_model"),
+                   help="corpus, token cache, model folders and logs (default out/real_model)")
+    p.add_argument("--docs", type=Path, default=DOCS, help="the reST sources (default %(default)s)")
 
 
 def run_all(tasks: list[tuple], fn, jobs: int, label: int = 3) -> list[tuple]:
@@ -595,10 +609,7 @@ def headline(protocol: dict, runs: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--protocol", type=Path, default=PROTOCOLS / "real_model.yaml", help="the protocol file")
-    p.add_argument("--work", type=Path, default=Path("out/real_model"),
-                   help="corpus, token cache, model folders and logs (default out/real_model)")
-    p.add_argument("--docs", type=Path, default=DOCS, help="the reST sources (default %(default)s)")
+    shared_arguments(p)
     p.add_argument("--stage", choices=("screen", "train", "eval", "report", "all", "status"), default="all",
                    help="what to run (screen: the recipe screening, whose winner then joins the runs; status: "
                         "runs nothing, lists each evaluation as done, partly done or waiting)")

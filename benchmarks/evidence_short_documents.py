@@ -18,10 +18,10 @@ import json
 import shutil
 from pathlib import Path
 
-from benchmarks.bench_evidence import (EVAL, SUPPLEMENT, device, ensure_trained, model_args, run_all,
-                                       with_winner)
-from benchmarks.common import DOCS, corpus, model_file, run_logged
-from benchmarks.protocol import PROTOCOLS, load_protocol
+from benchmarks.bench_evidence import (EVAL, SUPPLEMENT, device, ensure_trained, model_args, run_all, run_recorded,
+                                       shared_arguments, with_winner)
+from benchmarks.common import corpus, model_file
+from benchmarks.protocol import load_protocol
 
 
 def short_documents(protocol: dict, test: Path) -> list[Path]:
@@ -46,24 +46,15 @@ def evaluate_whole(name: str, spec: dict, protocol: dict, gguf: Path, work: Path
     target = str(protocol["target"])
     cmd = ["pose_mlx.perplexity", *model_args(name, spec, protocol, gguf, work), "--data", str(folder),
            "--lengths", target, "--stride", target, "--docs", str(docs), "--min-doc-tokens", "1", "--no-truncate"]
-    SUPPLEMENT.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".partial.json")
-    run_logged([*cmd, "--output", str(partial), "--no-progress"], work / "logs" / f"supplement.{name}.log")
-    record = json.loads(partial.read_text())
-    record["device"] = device()
-    path.write_text(json.dumps(record, indent=1) + "\n")
-    partial.unlink()
-    for png in partial.parent.glob(partial.stem + "*.png"):
+    run_recorded(cmd, path, work / "logs" / f"supplement.{name}.log")
+    for png in path.parent.glob(path.stem + "*.png"):
         png.unlink()  # one window per document: nothing to plot
     return path
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--protocol", type=Path, default=PROTOCOLS / "real_model.yaml", help="the protocol file")
-    p.add_argument("--work", type=Path, default=Path("out/real_model"),
-                   help="bench_evidence's --work: corpus, model folders and logs (default out/real_model)")
-    p.add_argument("--docs", type=Path, default=DOCS, help="the reST sources (default %(default)s)")
+    shared_arguments(p)  # the same --work as bench_evidence: its corpus and model folders
     p.add_argument("--jobs", type=int, default=1, help="evaluations run at once, each its own process (default 1)")
     args = p.parse_args(argv)
     protocol = with_winner(load_protocol(args.protocol))
