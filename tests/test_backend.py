@@ -1,6 +1,5 @@
 """Fast-BLAS loading (pose_mlx.backend); each case runs in a fresh interpreter since loading is process-wide."""
 
-import ctypes.util
 import json
 import os
 import subprocess
@@ -18,8 +17,10 @@ print(json.dumps({"status": backend.status, "mlx_imported": "mlx.core" in sys.mo
 """
 
 
-def probe(blas=None, code=PROBE):
+def probe(blas=None, code=PROBE, cache=None):
     env = {k: v for k, v in os.environ.items() if k != "POSE_MLX_BLAS"}
+    if cache is not None:
+        env["XDG_CACHE_HOME"] = str(cache)
     if blas is not None:
         env["POSE_MLX_BLAS"] = blas
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
@@ -50,12 +51,57 @@ def test_missing_library_warns_in_one_line():
     assert len(lines) == 1 and "warning" in lines[0] and "POSE_MLX_BLAS" in lines[0]
 
 
+def _libraries():
+    from pose_mlx import backend
+    return backend._openblas_candidates(), backend._mkl_candidates()
+
+
+both_present = pytest.mark.skipif(not all(_libraries()), reason="needs both OpenBLAS and MKL on this machine")
+
+
 @linux_only
-@pytest.mark.skipif(ctypes.util.find_library("openblas") is None, reason="no OpenBLAS on this machine")
-def test_auto_loads_openblas_into_the_process():
-    result, stderr = probe()
-    assert result["status"]["library"] and result["openblas_mapped"]
+@pytest.mark.skipif(not any(_libraries()), reason="no OpenBLAS or MKL on this machine")
+def test_auto_loads_a_fast_blas_into_the_process(tmp_path):
+    result, stderr = probe(cache=tmp_path)
+    assert result["status"]["library"] and (result["openblas_mapped"] or result["mkl_mapped"])
     assert stderr == ""
+
+
+@linux_only
+@both_present
+def test_auto_measures_both_once_and_loads_the_faster(tmp_path):
+    result, _ = probe(cache=tmp_path)
+    gflops = result["status"]["gflops"]
+    assert len(gflops) == 2 and all(g and g > 0 for g in gflops.values())
+    assert result["status"]["library"] == max(gflops, key=gflops.get)
+    saved = json.loads((tmp_path / "pose_mlx" / "blas.json").read_text())
+    assert saved["gflops"] == gflops and saved["order"][0] == result["status"]["library"]
+    # only the loaded one is in the process (the measurements ran in children)
+    assert result["openblas_mapped"] != result["mkl_mapped"]
+
+
+@linux_only
+@both_present
+def test_auto_follows_the_cached_choice_without_measuring_again(tmp_path):
+    probe(cache=tmp_path)
+    path = tmp_path / "pose_mlx" / "blas.json"
+    saved = json.loads(path.read_text())
+    saved["order"].reverse()  # the slower one first: only a cache that is read can make auto pick it
+    saved["gflops"] = {lib: 1.0 for lib in saved["order"]}
+    path.write_text(json.dumps(saved))
+    result, _ = probe(cache=tmp_path)
+    assert result["status"]["library"] == saved["order"][0] and result["status"]["gflops"] == saved["gflops"]
+    mkl_first = "mkl" in saved["order"][0]
+    assert result["mkl_mapped"] == mkl_first and result["openblas_mapped"] != mkl_first
+
+
+@linux_only
+@both_present
+def test_a_cache_from_another_machine_is_measured_again(tmp_path):
+    (tmp_path / "pose_mlx").mkdir()
+    (tmp_path / "pose_mlx" / "blas.json").write_text(json.dumps({"key": "another CPU", "order": [], "gflops": {}}))
+    result, _ = probe(cache=tmp_path)
+    assert len(result["status"]["gflops"]) == 2
 
 
 @linux_only
