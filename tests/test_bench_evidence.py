@@ -44,7 +44,7 @@ def test_run_all_with_one_job_tries_each_task_once():
 def test_protocol_fine_tunings_carry_their_loss_scale(tmp_path):
     """Every screening candidate's fine-tuning command parses as pose_mlx.finetune settings with the loss scale
     the protocol registers: 1 for the first stage (trained before loss scaling existed), 4096 for `*-scaled`."""
-    from benchmarks.bench_evidence import protocol_finetune
+    from benchmarks.evidence_runs import protocol_finetune
     from benchmarks.protocol import load_protocol
     from benchmarks.common import ROOT
     from pose_mlx.settings import parse_invocation
@@ -101,7 +101,7 @@ def test_status_reads_what_an_interrupted_evaluation_left(tmp_path, monkeypatch)
 def test_the_tests_plot_draws_one_row_per_test_and_nothing_without_tests(tmp_path, monkeypatch):
     import matplotlib.pyplot as plt
 
-    from benchmarks.bench_evidence import plot_tests
+    from benchmarks.evidence_runs import plot_tests
 
     tests = [{"length": 16384, "pose": "p", "control": c, "difference": d, "ci95": ci, "verdict": v}
              for c, d, ci, v in [("dynamic", -0.03, [-0.18, 0.11], "not distinguishable"),
