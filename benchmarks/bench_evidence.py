@@ -33,11 +33,10 @@ from pathlib import Path
 from benchmarks.common import (REAL_MODEL, ROOT, corpus, model_file, passkey_command, perplexity_command,
                                ruler_command, write_results)
 from benchmarks.evidence_runs import (adapters_folder, cell, collect as collect_records, device, ensure_trained,
-                                      model_args, plot_passkey, plot_tests, records, run_all, run_recorded,
+                                      model_args, plot_passkey, plot_tests, record_state, records, run_all, run_recorded,
                                       shared_arguments, train_name, trials as trials_in, unseen_corpus)
 from benchmarks.protocol import difference_tests, discordant, load_protocol, select_recipe
 from benchmarks.sim_agreement import refresh as refresh_sim_agreement
-from pose_mlx.resumable import read_partial
 
 EVAL = REAL_MODEL / "protocol" / "eval"
 SCREEN = REAL_MODEL / "protocol" / "screen"  # the recipe screening's evaluations (its own seed), never pooled with EVAL
@@ -58,16 +57,9 @@ def evaluations(protocol: dict, max_length: int | None) -> list[tuple[str, str, 
 
 
 def standing(name: str, kind: str, length: int, protocol: dict, screening: bool = False) -> str:
-    """Where one evaluation stands: "done (<device>)", "k/n" (the records an interrupted run left in its
-    `.partial.jsonl`, which the next run takes up) or "waiting"."""
+    """Where one evaluation stands (`evidence_runs.record_state`)."""
     path = (SCREEN if screening else EVAL) / f"{name}.{kind}.{length}.json"
-    if path.is_file():
-        return f"done ({json.loads(path.read_text()).get('device', 'device not recorded')})"
-    partial = path.with_suffix(".partial.json.partial.jsonl")  # evaluate's --output, then RecordLog's suffix
-    if not partial.is_file():
-        return "waiting"
-    _, finished = read_partial(partial)
-    return f"{len(finished)}/{records(name, kind, length, protocol, screening) or '?'} in a partial record"
+    return record_state(path, records(name, kind, length, protocol, screening))
 
 
 def evaluate(name: str, kind: str, length: int, protocol: dict, gguf: Path, work: Path, test: Path,

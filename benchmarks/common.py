@@ -158,12 +158,44 @@ def corpus(work: Path, test_docs: int, docs: Path) -> tuple[Path, Path]:
     return train, test
 
 
-def run_logged(cmd: list[str], log: Path) -> float:
-    """Run a project command (`python -m <cmd>`, its output to `log`); returns the wall time."""
+class OutOfTime(SystemExit):
+    """A command was stopped because the budget set by `set_budget` ran out (what it finished is kept)."""
+
+
+_deadline: list[float] = []  # time.monotonic() at which run_logged stops its commands; empty: no budget
+
+
+def set_budget(seconds: float | None) -> None:
+    """Stop every later `run_logged` command `seconds` from now (None: no limit)."""
+    _deadline[:] = [] if seconds is None else [time.monotonic() + seconds]
+
+
+def time_left() -> float | None:
+    """Seconds until the budget's end (None: no budget)."""
+    return _deadline[0] - time.monotonic() if _deadline else None
+
+
+def run_logged(cmd: list[str], log: Path, grace: float = 60.0) -> float:
+    """Run a project command (`python -m <cmd>`, its output to `log`); returns the wall time. Under a budget
+    (`set_budget`) the command gets SIGTERM when it runs out (the project's commands then save what they finished:
+    a checkpoint, a partial record), SIGKILL `grace` seconds later, and `OutOfTime` is raised."""
     log.parent.mkdir(parents=True, exist_ok=True)
+    left = time_left()
+    if left is not None and left <= 0:
+        raise OutOfTime(f"{' '.join(cmd[:1])}: no time left in the budget")
     t0 = time.perf_counter()
     with open(log, "w") as f:
-        code = subprocess.run([sys.executable, "-m", *cmd], stdout=f, stderr=subprocess.STDOUT).returncode
+        proc = subprocess.Popen([sys.executable, "-m", *cmd], stdout=f, stderr=subprocess.STDOUT)
+        try:
+            code = proc.wait(timeout=left)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            try:
+                proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            raise OutOfTime(f"{' '.join(cmd[:1])} stopped: the budget ran out (what it finished is kept; see {log})")
     if code:
         raise SystemExit(f"{' '.join(cmd)} failed with exit code {code}; see {log}")
     return time.perf_counter() - t0

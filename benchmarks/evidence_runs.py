@@ -20,6 +20,7 @@ from pathlib import Path
 from benchmarks.common import DOCS, REAL_MODEL, ROOT, finetune_command, resume_command, run_logged
 from benchmarks.protocol import PROTOCOLS
 from pose_mlx.analysis.stats import wilson
+from pose_mlx.resumable import read_partial
 
 
 def train_name(name: str, spec: dict) -> str:
@@ -270,6 +271,18 @@ def collect(protocol: dict, folder: Path) -> dict:
                 scores["scores"].update({f"{r['task']}@{r['length']}": r["score"] for r in record["results"]})
         runs[name] = entry
     return runs
+
+
+def record_state(path: Path, expected: int | None) -> str:
+    """Where one evaluation's record stands: "done (<device>)", "k/n in a partial record" (the records an
+    interrupted run left in its `.partial.jsonl`, which the next run takes up; n = `expected`) or "waiting"."""
+    if path.is_file():
+        return f"done ({json.loads(path.read_text()).get('device', 'device not recorded')})"
+    partial = path.with_suffix(".partial.json.partial.jsonl")  # run_recorded's --output, then RecordLog's suffix
+    if not partial.is_file():
+        return "waiting"
+    _, finished = read_partial(partial)
+    return f"{len(finished)}/{expected or '?'} in a partial record"
 
 
 def trials(folder: Path, name: str, kind: str, length: int) -> list[dict] | None:

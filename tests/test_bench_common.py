@@ -84,3 +84,26 @@ def test_own_seconds_of_mlx_lm_come_from_its_report_lines():
     stdout = "\n".join(["  1  3.2 \u25bc  100  0.5k", "  2  3.1 \u25bc  1,024  0.5k", "  3  3.0 \u25b2  2,048  0.5k",
                         "  4  2.9 \u25bc  4,096  0.5k", "Trainable parameters: 1.0% (0.1M/10.0M)"])
     assert common.own_seconds("mlx_lm", {"stdout": stdout}, args, Path(".")) == pytest.approx([1.0, 0.5])
+
+
+def test_run_logged_stops_a_command_when_the_budget_runs_out(tmp_path):
+    """Under a budget the command gets SIGTERM at its end and OutOfTime is raised; with none left it never starts."""
+    import time
+
+    from benchmarks.common import OutOfTime, run_logged, set_budget
+
+    sleeper = ["timeit", "-n", "1", "-r", "1", "import time; time.sleep(60)"]
+    try:
+        set_budget(1.0)
+        t0 = time.monotonic()
+        with pytest.raises(OutOfTime):
+            run_logged(sleeper, tmp_path / "a.log", grace=5)
+        assert time.monotonic() - t0 < 15
+        set_budget(0.0)
+        with pytest.raises(OutOfTime, match="no time left"):
+            run_logged(sleeper, tmp_path / "b.log")
+        assert not (tmp_path / "b.log").exists()
+        set_budget(None)
+        assert run_logged(["timeit", "-n", "1", "-r", "1", "pass"], tmp_path / "c.log") < 15
+    finally:
+        set_budget(None)
