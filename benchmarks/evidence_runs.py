@@ -24,9 +24,10 @@ from pose_mlx.resumable import read_partial
 
 
 def train_name(name: str, spec: dict) -> str:
-    """The folder a run's model is trained into: `adapt` for the controls (one fine-tuning serves them all),
-    else the run's own name."""
-    return "adapt" if spec["role"] == "control" else name
+    """The folder a run's model is trained into: `adapt` for the plain fine-tuned controls (one fine-tuning serves
+    them all), else the run's own name."""
+    plain = spec.get("train", {}).get("sampler") == "plain"
+    return "adapt" if spec["role"] == "control" and plain else name
 
 
 @functools.cache
@@ -84,19 +85,22 @@ def convert_weights(src: Path, dst: Path, dtype: str) -> None:
 
 
 def protocol_finetune(t: dict, protocol: dict, gguf: Path, work: Path, train: Path, out: Path) -> list[str]:
-    """`pose_mlx.finetune` with the protocol's shared settings and the run's sampler, schedule, short share and
-    loss scale (resumed when its run folder exists)."""
+    """`pose_mlx.finetune` with the protocol's shared settings and the run's sampler, schedule, window, short share
+    and loss scale (the protocol's `loss_scale` when the run names none), resumed when its run folder exists;
+    checkpoints every `perplexity.curve_every` updates where the protocol records a curve, else every 10."""
     if (out.with_name(out.name + ".partial") / "run.json").is_file():
         return resume_command(out)
     settings = protocol["training"]
-    return [*finetune_command(gguf, train, work, out, schedule=t["schedule"], window=settings["window"],
+    loss_scale = t.get("loss_scale", protocol.get("loss_scale"))
+    save_every = protocol.get("perplexity", {}).get("curve_every", 10)
+    return [*finetune_command(gguf, train, work, out, schedule=t["schedule"], window=t.get("window", settings["window"]),
                               steps=settings["steps"], lr=settings["lr"], rank=settings["lora_rank"],
                               warmup=settings["warmup"], sampler=t["sampler"], batch_size=settings["batch_size"],
                               seed=settings["seed"], original=protocol["original"], target=protocol["target"],
                               schedule_params=t.get("schedule_params")),
             *(["--short-share", str(t["short_share"])] if "short_share" in t else []),
-            *(["--loss-scale", str(t["loss_scale"])] if "loss_scale" in t else []),
-            "--save-every", "10", "--eval-every", "40", "--eval-batches", "4"]
+            *(["--loss-scale", str(loss_scale)] if loss_scale is not None else []),
+            "--save-every", str(save_every), "--eval-every", "40", "--eval-batches", "4"]
 
 
 def model_args(name: str, spec: dict, protocol: dict, gguf: Path, work: Path) -> list[str]:

@@ -53,3 +53,62 @@ def test_8x_evaluations_wait_for_the_registered_prediction(protocol8, tmp_path, 
     with pytest.raises(SystemExit) as stop:
         e8.main(["--stage", "eval", "--work", str(tmp_path)])
     assert stop.value.code == 2 and "prediction" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ addendum A (full length)
+
+from benchmarks import evidence_full_length as efl  # noqa: E402
+
+
+def test_pieces_close_at_the_minimum_and_fold_remainders_back():
+    groups = [("a", [("a/1", 40), ("a/2", 70), ("a/3", 10)]),  # 40+1+70 = 111 closes; 10 folds into it
+              ("b", [("b/1", 30)]),  # too short for a piece: folds into a's last piece
+              ("c", [("c/1", 120), ("c/2", 5), ("c/3", 6)])]  # 120 closes; 5+1+6 folds into it
+    pieces = efl.plan_pieces(groups, 100)
+    assert [p["files"] for p in pieces] == [["a/1", "a/2", "a/3", "b/1"], ["c/1", "c/2", "c/3"]]
+    assert [p["tokens"] for p in pieces] == [40 + 1 + 70 + 1 + 10 + 1 + 30, 120 + 1 + 5 + 1 + 6]
+    assert pieces[0]["folders"] == ["a", "b"]
+    # a first folder too short for a piece is carried into the next folder's first piece
+    carried = efl.plan_pieces([("top", [("x", 20)]), ("d", [("d/1", 90), ("d/2", 90), ("d/3", 100)])], 100)
+    assert [p["files"] for p in carried] == [["x", "d/1"], ["d/2", "d/3"]]
+    assert [p["tokens"] for p in carried] == [111, 191] and carried[0]["folders"] == ["top", "d"]
+    with pytest.raises(ValueError, match="fewer than one piece"):
+        efl.plan_pieces([("a", [("a/1", 10)])], 100)
+
+
+def test_snapshots_keep_every_multiple_of_the_interval_from_a_live_checkpoint_folder(tmp_path):
+    import json
+
+    ckpt, dest = tmp_path / "checkpoint", tmp_path / "kept"
+    ckpt.mkdir()
+    watcher = efl.Snapshots(ckpt, dest, every=25)
+
+    def checkpoint(step, previous=None):
+        (ckpt / f"weights-{step}.safetensors").write_bytes(str(step).encode())
+        if previous is not None:
+            (ckpt / "previous.json").write_text(json.dumps({"step": previous, "files": {"weights": f"weights-{previous}.safetensors"}}))
+        (ckpt / "state.json").write_text(json.dumps({"step": step, "files": {"weights": f"weights-{step}.safetensors"}}))
+
+    checkpoint(25)
+    watcher.sweep()
+    checkpoint(50, previous=25)
+    (ckpt / "weights-25.safetensors").unlink()  # the trainer deleted it: already kept
+    watcher.sweep()
+    checkpoint(60, previous=50)
+    watcher.sweep()
+    assert sorted(p.name for p in dest.iterdir()) == ["weights-25.safetensors", "weights-50.safetensors"]
+    assert (dest / "weights-50.safetensors").read_bytes() == b"50"
+
+
+def test_full_length_goals_from_hand_made_numbers():
+    protocol = load_protocol(efl.PROTOCOL)
+    assert efl.curve_steps(protocol) == [25, 50, 75, 100, 125, 150, 175]
+    runs = {"pose-yarn-joined": {"ppl": {"32768": 6.3}}, "full-yarn": {"ppl": {"32768": 6.0}}}
+    tests = [{"length": 16384, "verdict": "not distinguishable"}, {"length": 32768, "verdict": "worse"}]
+    cost = {"pose-yarn-joined": {"peak_bytes": 3e9}, "full-yarn": {"peak_bytes": 20e9}}
+    g = efl.goals(protocol, runs, tests, cost)
+    assert g[0]["value"] == pytest.approx(1.05) and g[0]["held"] is True  # at most 1.05x
+    assert g[1]["held"] is False  # worse at 32k
+    assert g[2]["value"] == pytest.approx(0.15) and g[2]["held"] is False  # more than 1/8
+    unmeasured = efl.goals(protocol, {}, tests[:1], {})
+    assert [x["held"] for x in unmeasured] == [None, None, None]

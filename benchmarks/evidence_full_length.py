@@ -1,0 +1,433 @@
+"""Addendum A (`benchmarks/protocols/real_model_full_length.yaml`): PoSE against full-length fine-tuning at 32k.
+
+    python -m benchmarks.evidence_full_length [--stage data|train|eval|curve|report|all|status] [--only RUN]
+                                              [--max-length N] [--jobs N] [--budget SECONDS]
+
+`data` builds the joined documents both runs train on (`joined_corpus`: the headline's training split, each
+top-level folder's files in path order joined with the tokenizer's end-of-sequence token and cut at document
+boundaries into pieces of at least 32,768 tokens); `train` fine-tunes PoSE + YaRN and full-length + YaRN on
+them with the headline's settings (a GPU's work: one 32k update takes hours on two CPU cores), keeping a copy of
+the LoRA weights every `curve_every` updates (`Snapshots`); `eval` runs real_model-v1's trials on both; `curve`
+scores the 32k perplexity of every kept copy (the paper's Fig. 3c); `report` writes `runs["full-yarn"]`,
+`runs["pose-yarn-joined"]` and `full_length` into `results/real_model/results.json`, and
+`protocol_full/report.md`, `passkey.png`, `tests.png`, `curve.png`. Every evaluation is a record in
+`protocol_full/eval/` (the curve's in `protocol_full/curve/`) naming its device, resumable; `--budget` stops the
+running command (a fine-tuning keeps its checkpoint, an evaluation its finished trials) when the time is spent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from benchmarks.common import (REAL_MODEL, OutOfTime, corpus, model_file, passkey_command, perplexity_command,
+                               ruler_command, set_budget, write_results)
+from benchmarks.evidence_runs import (collect, device, ensure_trained, model_args, plot_passkey, plot_tests,
+                                      record_state, records, run_all, run_recorded, shared_arguments, trials,
+                                      unseen_corpus)
+from benchmarks.protocol import PROTOCOLS, difference_tests, discordant, load_protocol
+
+PROTOCOL = PROTOCOLS / "real_model_full_length.yaml"
+OUT = REAL_MODEL / "protocol_full"
+EVAL, CURVE = OUT / "eval", OUT / "curve"
+
+
+# ------------------------------------------------------------------------------------------ the joined documents
+
+
+def training_files(docs: Path, test_docs: int = 4) -> list[Path]:
+    """The headline's training split: every reST source but the `test_docs` longest (`common.corpus`'s rule)."""
+    files = sorted(docs.rglob("*.rst.txt"), key=lambda p: (-p.stat().st_size, str(p)))
+    return sorted(files[test_docs:])
+
+
+def plan_pieces(groups: list[tuple[str, list[tuple[str, int]]]], minimum: int, separator: int = 1) -> list[dict]:
+    """Pieces of at least `minimum` tokens from `groups` [(folder, [(file, tokens), ...]), ...] (in order): within
+    a folder, files join a piece until it holds >= `minimum` tokens (`separator` tokens between two files); a
+    folder's remainder is appended to its last piece, or to the previous folder's last piece when the folder makes
+    none (carried into the next folder's first piece when there is no earlier piece)."""
+    pieces: list[dict] = []
+    carry: dict | None = None
+    for folder, files in groups:
+        made, current = [], carry or {"folders": [], "files": [], "tokens": 0}
+        carry = None
+        for name, tokens in files:
+            if current["files"]:
+                current["tokens"] += separator
+            current["files"].append(name)
+            current["tokens"] += tokens
+            if folder not in current["folders"]:
+                current["folders"].append(folder)
+            if current["tokens"] >= minimum:
+                made.append(current)
+                current = {"folders": [], "files": [], "tokens": 0}
+        if current["files"]:
+            target = made[-1] if made else pieces[-1] if pieces else None
+            if target is None:
+                carry = current
+            else:
+                target["tokens"] += separator + current["tokens"]
+                target["files"] += current["files"]
+                target["folders"] += [f for f in current["folders"] if f not in target["folders"]]
+        pieces += made
+    if carry is not None:
+        raise ValueError(f"the whole text holds {carry['tokens']} tokens, fewer than one piece of {minimum}")
+    return pieces
+
+
+def joined_corpus(docs: Path, gguf: Path, work: Path, minimum: int) -> Path:
+    """The folder of joined pieces (one .txt per piece, files joined with the tokenizer's end-of-sequence token)
+    and its `pieces.json` (each piece's folders, files and tokens as the fine-tuning will count them)."""
+    out = work / "joined"
+    if (out / "pieces.json").is_file():
+        return out
+    from pose_mlx.model.gguf import load_tokenizer
+
+    tokenizer = load_tokenizer(gguf)
+    groups: dict[str, list[tuple[str, int]]] = {}
+    for path in training_files(docs):
+        rel = path.relative_to(docs)
+        count = len(tokenizer.encode(path.read_text(), add_special_tokens=False))
+        groups.setdefault(rel.parts[0] if len(rel.parts) > 1 else "top", []).append((str(rel), count))
+    pieces = plan_pieces(sorted(groups.items()), minimum)
+    building = out.with_name(out.name + ".tmp")
+    shutil.rmtree(building, ignore_errors=True)
+    building.mkdir(parents=True)
+    for i, piece in enumerate(pieces):
+        text = tokenizer.eos_token.join((docs / f).read_text() for f in piece["files"])
+        piece["tokens"] = len(tokenizer.encode(text, add_special_tokens=False)) + 2  # with BOS and EOS
+        if piece["tokens"] < minimum:
+            raise ValueError(f"piece {i} holds {piece['tokens']} tokens, fewer than {minimum}")
+        (building / f"{i:03d}-{'+'.join(piece['folders'])}.txt").write_text(text)
+    (building / "pieces.json").write_text(json.dumps({"minimum": minimum, "separator": tokenizer.eos_token,
+                                                      "pieces": pieces}, indent=1))
+    shutil.rmtree(out, ignore_errors=True)
+    building.rename(out)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ training, with snapshots
+
+
+class Snapshots(threading.Thread):
+    """Copies the trainable weights of every checkpoint whose step is a multiple of `every` from a fine-tuning's
+    checkpoint folder (`<out>.partial/checkpoint/weights-<step>.safetensors`, complete once `state.json` names
+    it; a checkpoint's files are kept until two later ones exist) into `dest/weights-<step>.safetensors`."""
+
+    def __init__(self, checkpoint: Path, dest: Path, every: int, poll: float = 0.5):
+        super().__init__(daemon=True)
+        self.checkpoint, self.dest, self.every, self.poll = checkpoint, dest, every, poll
+        self.done = threading.Event()
+
+    def sweep(self) -> None:
+        for state in (self.checkpoint / "state.json", self.checkpoint / "previous.json"):
+            try:
+                record = json.loads(state.read_text())
+            except (OSError, ValueError):
+                continue
+            step, name = record["step"], record["files"]["weights"]
+            target = self.dest / f"weights-{step}.safetensors"
+            if step % self.every == 0 and not target.is_file():
+                self.dest.mkdir(parents=True, exist_ok=True)
+                try:
+                    shutil.copyfile(self.checkpoint / name, target.with_suffix(".tmp"))
+                    target.with_suffix(".tmp").rename(target)
+                except FileNotFoundError:  # replaced between reading state.json and copying: gone for good
+                    pass
+
+    def run(self) -> None:
+        while not self.done.wait(self.poll):
+            self.sweep()
+        self.sweep()
+
+
+def train(name: str, protocol: dict, gguf: Path, work: Path, data: Path) -> Path:
+    """One run's fine-tuning (`ensure_trained`), its checkpoints' weights kept every `curve_every` updates, and its
+    training log kept in protocol_full/train/ (seconds, peak memory and tokens of every update)."""
+    every = protocol["perplexity"]["curve_every"]
+    watcher = Snapshots(work / "trained" / f"{name}.partial" / "checkpoint", work / "snapshots" / name, every)
+    watcher.start()
+    try:
+        folder = ensure_trained(name, protocol["runs"][name], protocol, gguf, work, data)
+    finally:
+        watcher.done.set()
+        watcher.join()
+    log = work / "trained" / name / "log.jsonl"
+    if log.is_file():
+        (OUT / "train").mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(log, OUT / "train" / f"{name}.log.jsonl")
+    return folder
+
+
+# ------------------------------------------------------------------------------------------ evaluations and the curve
+
+
+def evaluations(protocol: dict, max_length: int | None = None) -> list[tuple[str, str, int]]:
+    """(run, kind, length) of every registered evaluation, cheapest first (real_model-v1's order)."""
+    runs, target = protocol["runs"], protocol["target"]
+    order = [(n, "ppl_unseen", protocol["perplexity"]["unseen"]["length"]) for n in runs]
+    for length in sorted(protocol["passkey"]["trials"]):
+        order += [(n, "passkey", length) for n in runs]
+    order += [(n, "ppl", target) for n in runs]
+    order += [(n, "ruler", length) for length in protocol["ruler"]["lengths"] for n in runs]
+    return [t for t in order if max_length is None or t[2] <= max_length]
+
+
+def evaluate(name: str, kind: str, length: int, protocol: dict, gguf: Path, work: Path, test: Path) -> Path:
+    """One registered evaluation's record (run when missing)."""
+    path = EVAL / f"{name}.{kind}.{length}.json"
+    if path.is_file():
+        return path
+    args = model_args(name, protocol["runs"][name], protocol, gguf, work)
+    if kind == "passkey":
+        cmd = passkey_command(args, length, records(name, kind, length, protocol), protocol["passkey"]["seed"])
+    elif kind == "ppl_unseen":
+        u = protocol["perplexity"]["unseen"]
+        cmd = perplexity_command(args, unseen_corpus(protocol, work), length, u["stride"], len(u["files"]), u["span"])
+    elif kind == "ppl":
+        cmd = perplexity_command(args, test, length, length, protocol["perplexity"]["target"]["documents"], length - 1)
+    else:
+        r = protocol["ruler"]
+        cmd = ruler_command(args, str(length), ",".join(r["tasks"]), r["samples"], r["seed"], False)
+    return run_recorded(cmd, path, work / "logs" / f"protocol_full.{name}.{kind}.{length}.log")
+
+
+def curve_steps(protocol: dict) -> list[int]:
+    """The updates after which the curve is scored: every `curve_every` up to the last (which is the run's own
+    registered 32k perplexity)."""
+    every, steps = protocol["perplexity"]["curve_every"], protocol["training"]["steps"]
+    return list(range(every, steps, every))
+
+
+def snapshot_model(final: Path, weights: Path, dest: Path) -> Path:
+    """A model folder of `final` (a rebuilt run) whose LoRA weights are the kept checkpoint `weights`: the other
+    files linked, the adapters written as `final`'s names and dtype."""
+    if (dest / "adapters.safetensors").is_file():
+        return dest
+    partial = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    for f in final.iterdir():
+        if f.name != "adapters.safetensors":
+            (partial / f.name).symlink_to(f.resolve())
+    code = ("import sys, pose_mlx, mlx.core as mx; final = mx.load(sys.argv[1]); kept = mx.load(sys.argv[2]); "
+            "mx.save_safetensors(sys.argv[3], {k: kept[k].astype(v.dtype) for k, v in final.items()})")
+    subprocess.run([sys.executable, "-c", code, str(final / "adapters.safetensors"), str(weights),
+                    str(partial / "adapters.safetensors")], check=True)
+    partial.rename(dest)
+    return dest
+
+
+def curve_point(name: str, step: int, protocol: dict, gguf: Path, work: Path, test: Path) -> Path:
+    """The 32k perplexity of run `name` after `step` updates, from its kept checkpoint."""
+    length = protocol["target"]
+    path = CURVE / f"{name}@{step}.ppl.{length}.json"
+    if path.is_file():
+        return path
+    weights = work / "snapshots" / name / f"weights-{step}.safetensors"
+    if not weights.is_file():
+        raise SystemExit(f"{weights} is missing: the curve is scored on the machine that trained {name}")
+    final = Path(model_args(name, protocol["runs"][name], protocol, gguf, work)[1])
+    folder = snapshot_model(final, weights, work / "curve" / f"{name}@{step}")
+    cmd = perplexity_command(["--model", str(folder)], test, length, length,
+                             protocol["perplexity"]["target"]["documents"], length - 1)
+    return run_recorded(cmd, path, work / "logs" / f"protocol_full.curve.{name}@{step}.log")
+
+
+# ------------------------------------------------------------------------------------------ the report
+
+
+def training_record(name: str) -> dict | None:
+    """From a run's kept training log: updates, tokens seen, median seconds per update (after the first) and the
+    largest peak memory, or None before it has trained."""
+    path = OUT / "train" / f"{name}.log.jsonl"
+    if not path.is_file():
+        return None
+    steps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    steps = [s for s in steps if "loss" in s and "seconds" in s]
+    seconds = sorted(s["seconds"] for s in steps[1:]) or [steps[0]["seconds"]]
+    return {"updates": len(steps), "tokens": sum(s["tokens"] for s in steps),
+            "seconds_per_update": seconds[len(seconds) // 2],
+            "peak_bytes": max(s["peak_memory_gb"] for s in steps) * 1e9}
+
+
+def curve(protocol: dict, runs: dict) -> dict:
+    """{run: {step: 32k perplexity}} from the curve's records and, at the last step, the registered record."""
+    length, last = str(protocol["target"]), protocol["training"]["steps"]
+    out = {}
+    for name in protocol["runs"]:
+        points = {}
+        for step in curve_steps(protocol):
+            path = CURVE / f"{name}@{step}.ppl.{length}.json"
+            if path.is_file():
+                points[step] = json.loads(path.read_text())["results"][0]["ppl"]
+        final = runs.get(name, {}).get("ppl", {}).get(length)
+        if final is not None:
+            points[last] = final
+        out[name] = points
+    return out
+
+
+def goals(protocol: dict, runs: dict, tests: list[dict], cost: dict) -> list[dict]:
+    """The three registered goals, each {"goal", "value", "held" (None while unmeasured)}."""
+    pose = next(n for n, r in protocol["runs"].items() if r["role"] == "pose")
+    full = next(n for n, r in protocol["runs"].items() if r["role"] == "control")
+    key = str(protocol["target"])
+    a, b = (runs.get(n, {}).get("ppl", {}).get(key) for n in (pose, full))
+    ratio = a / b if a is not None and b is not None else None
+    verdicts = {t["length"]: t["verdict"] for t in tests}
+    lengths = protocol["test"]["lengths"]
+    held_pk = None if any(n not in verdicts for n in lengths) else all(verdicts[n] != "worse" for n in lengths)
+    mem = [cost.get(n, {}) and cost[n]["peak_bytes"] for n in (pose, full)]
+    share = mem[0] / mem[1] if all(mem) else None
+    return [{"goal": protocol["goals"][0], "value": ratio, "held": None if ratio is None else ratio <= 1.05},
+            {"goal": protocol["goals"][1], "value": {n: verdicts.get(n) for n in lengths}, "held": held_pk},
+            {"goal": protocol["goals"][2], "value": share, "held": None if share is None else share <= 1 / 8}]
+
+
+def report(protocol: dict) -> dict:
+    """results.json's `runs` entries of both runs and its `full_length` block; protocol_full/report.md."""
+    runs = collect(protocol, EVAL)
+    tests = difference_tests(protocol, runs)
+    for t in tests:
+        a, b = (trials(EVAL, t[k], "passkey", t["length"]) for k in ("pose", "control"))
+        if a is not None and b is not None and len(a) == len(b):
+            t["discordant"] = dict(zip(("pose_only", "control_only"), discordant(a, b)))
+    cost = {n: training_record(n) for n in protocol["runs"]}
+    block = {"protocol": str(PROTOCOL.relative_to(REAL_MODEL.parents[2])), "tests": tests,
+             "curve": curve(protocol, runs), "training": cost,
+             "goals": goals(protocol, runs, tests, {n: c for n, c in cost.items() if c})}
+    path = REAL_MODEL / "results.json"
+    results = json.loads(path.read_text())
+    for name, entry in runs.items():
+        results["runs"][name] = {"stage": "confirmation", "protocol": block["protocol"], **entry}
+    results["full_length"] = block
+    write_results("real_model", {k: v for k, v in results.items() if k != "benchmark"}, path)
+    write_report(protocol, runs, block)
+    return block
+
+
+def write_report(protocol: dict, runs: dict, block: dict) -> Path:
+    lengths = sorted(protocol["passkey"]["trials"])
+    key = str(protocol["target"])
+    lines = [f"# `{protocol['name']}`: PoSE against full-length fine-tuning (pre-registered: "
+             f"`benchmarks/protocols/real_model_full_length.yaml`, {protocol['registered']})", "",
+             "`-`: not run yet. Command: `python -m benchmarks.evidence_full_length`.", "",
+             "| run | " + " | ".join(f"passkey {n // 1024}k" for n in lengths) + " | ppl 2k unseen | ppl 32k | "
+             "updates | tokens seen | s / update | peak memory |", "|---|" + "---|" * (len(lengths) + 6)]
+    for name, r in runs.items():
+        pk = [f"{r['passkey'][str(n)]:.2f} ({r['passkey_trials'][str(n)]})" if str(n) in r.get("passkey", {}) else "-"
+              for n in lengths]
+        nums = ["-" if v is None else f"{v:.2f}" for v in (r.get("ppl_unseen", {}).get("2048"), r.get("ppl", {}).get(key))]
+        t = block["training"].get(name) or {}
+        nums += [str(t.get("updates", "-")), f"{t['tokens']:,}" if t else "-",
+                 f"{t['seconds_per_update']:.2f}" if t else "-", f"{t['peak_bytes'] / 1e9:.2f} GB" if t else "-"]
+        lines.append(f"| {name} | " + " | ".join(pk + nums) + " |")
+    lines += ["", "| length | PoSE minus Full | 95% interval | verdict |", "|---|---|---|---|"]
+    lines += [f"| {t['length']} | {t['difference']:+.2f} | {t['ci95'][0]:+.2f} .. {t['ci95'][1]:+.2f} | {t['verdict']} |"
+              for t in block["tests"]] or ["| - | - | - | not run yet |"]
+    lines += ["", "| goal | value | held |", "|---|---|---|"]
+    for g in block["goals"]:
+        value = g["value"] if not isinstance(g["value"], float) else f"{g['value']:.3f}"
+        lines.append(f"| {g['goal']} | {value if value is not None else '-'} | "
+                     f"{ {True: 'yes', False: '**no**', None: 'not measured yet'}[g['held']]} |")
+    lines += ["", "The 32k perplexity after every 25 updates (the paper's Fig. 3c): ![curve](curve.png)"]
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "report.md").write_text("\n".join(lines) + "\n")
+    plot_passkey(runs, lengths, protocol["original"], OUT / "passkey.png")
+    plot_tests(block["tests"], OUT / "tests.png")
+    plot_curve(block["curve"], OUT / "curve.png")
+    return OUT / "report.md"
+
+
+def plot_curve(points: dict, path: Path) -> None:
+    """Held-out 32k perplexity by update, one line per run (nothing drawn before any point exists)."""
+    if not any(points.values()):
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    for name, by_step in points.items():
+        steps = sorted(by_step)
+        ax.plot(steps, [by_step[s] for s in steps], marker="o", label=name)
+    ax.set_xlabel("updates")
+    ax.set_ylabel("perplexity at 32k (held-out documents)")
+    ax.set_title("PoSE vs full-length fine-tuning during training")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------ the command
+
+
+def status(protocol: dict, names: list[str], max_length: int | None) -> list[str]:
+    """One line per fine-tuning, registered evaluation and curve point: done, partly done or waiting."""
+    lines = [f"{n} fine-tuning: {'adapters committed' if (REAL_MODEL / 'protocol' / 'adapters' / n).is_dir() else 'waiting'}"
+             for n in names]
+    lines += [f"{n} {k} {length}: {record_state(EVAL / f'{n}.{k}.{length}.json', records(n, k, length, protocol))}"
+              for n, k, length in evaluations(protocol, max_length) if n in names]
+    target = protocol["target"]
+    lines += [f"{n} curve @{s}: {record_state(CURVE / f'{n}@{s}.ppl.{target}.json', None)}"
+              for n in names for s in curve_steps(protocol)]
+    return lines
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    shared_arguments(p)
+    p.set_defaults(protocol=PROTOCOL)
+    p.add_argument("--stage", choices=("data", "train", "eval", "curve", "report", "all", "status"), default="all",
+                   help="what to run (all: data, train, curve, eval, report; status: runs nothing)")
+    p.add_argument("--jobs", type=int, default=1, help="evaluations run at once, each its own process (default 1)")
+    p.add_argument("--only", action="append", default=None, help="only these runs (repeatable)")
+    p.add_argument("--max-length", type=int, default=None, help="evaluate only lengths up to this")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds: the running command is stopped (keeping what it finished) when they are spent")
+    args = p.parse_args(argv)
+    protocol = load_protocol(args.protocol)
+    unknown = sorted(set(args.only or ()) - set(protocol["runs"]))
+    if unknown:
+        p.error(f"--only: no run named {', '.join(unknown)} in {args.protocol}")
+    names = [n for n in protocol["runs"] if not args.only or n in args.only]
+    if args.stage == "status":
+        print("\n".join(status(protocol, names, args.max_length)))
+        return 0
+    set_budget(args.budget)
+    gguf = model_file()
+    _, test = corpus(args.work, 4, args.docs)
+    failed = []
+    if args.stage in ("data", "train", "all"):
+        data = joined_corpus(args.docs, gguf, args.work, protocol["data"]["piece_min_tokens"])
+        print(f"joined documents: {data}", flush=True)
+    if args.stage in ("train", "all"):
+        print(f"device: {device()}", flush=True)
+        failed += run_all([(n, protocol, gguf, args.work, data) for n in names], train, 1, label=1)
+    if args.stage in ("curve", "all") and not failed:
+        points = [(n, s, protocol, gguf, args.work, test) for n in names for s in curve_steps(protocol)]
+        failed += run_all(points, curve_point, args.jobs, label=2)
+    if args.stage in ("eval", "all") and not failed:
+        tasks = [(*t, protocol, gguf, args.work, test) for t in evaluations(protocol, args.max_length) if t[0] in names]
+        failed += run_all(tasks, evaluate, args.jobs)
+    if args.stage in ("report", "eval", "curve", "all"):
+        block = report(protocol)
+        print(f"wrote full_length to {REAL_MODEL / 'results.json'} and {OUT / 'report.md'}; goals held: "
+              f"{[g['held'] for g in block['goals']]}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except OutOfTime as stop:
+        print(stop, file=sys.stderr)
+        sys.exit(3)
