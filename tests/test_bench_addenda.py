@@ -112,3 +112,23 @@ def test_full_length_goals_from_hand_made_numbers():
     assert g[2]["value"] == pytest.approx(0.15) and g[2]["held"] is False  # more than 1/8
     unmeasured = efl.goals(protocol, {}, tests[:1], {})
     assert [x["held"] for x in unmeasured] == [None, None, None]
+
+
+def test_cost_curve_runs_what_the_addendum_registers(tmp_path):
+    from benchmarks import bench_cost_curve as cc
+
+    assert cc.parse_configs(cc.DEFAULT_CONFIGS) == [("pose", 1024), ("pose", 2048), ("full", 8192), ("full", 16384),
+                                                    ("full", 32768)]
+    protocol = load_protocol(efl.PROTOCOL)
+    assert {w for m, w in cc.parse_configs(cc.DEFAULT_CONFIGS) if m == "full"} == set(protocol["cost"]["full_windows"])
+    with pytest.raises(SystemExit, match="full:WINDOW"):
+        cc.parse_configs("half:8192")
+
+    def flag(argv, name):
+        return argv[argv.index(name) + 1]
+
+    full8 = cc.finetune_args("full", 8192, tmp_path / "m.gguf", tmp_path, tmp_path, 3, True)
+    assert (flag(full8, "--original"), flag(full8, "--target"), flag(full8, "--sampler")) == ("4096", "8192", "full")
+    pose2 = cc.finetune_args("pose", 2048, tmp_path / "m.gguf", tmp_path, tmp_path, 3, False)
+    assert (flag(pose2, "--window"), flag(pose2, "--target"), flag(pose2, "--lora-rank")) == ("2048", "32768", "16")
+    assert "--grad-checkpoint" in full8 and "--grad-checkpoint" not in pose2

@@ -1,0 +1,167 @@
+"""The cost curve on the real model (the PoSE paper's Fig. 3a/b): full-length against PoSE fine-tuning of
+SmolLM2-135M, as addendum A registers it (benchmarks/protocols/real_model_full_length.yaml, `cost`).
+
+    python -m benchmarks.bench_cost_curve [--configs full:8192,pose:1024,...] [--steps 3] [--grad-checkpoint]
+                                          [--budget SECONDS] [--plot-only]
+
+Each configuration is a real `python -m pose_mlx.finetune` run of the GGUF model with the headline's LoRA (rank 16,
+every block) and rows (1 per update), `--steps` updates on the joined 32k documents of addendum A
+(`evidence_full_length.joined_corpus`): full-length at a window of W tokens (`--sampler full`, target W; the
+original window is set to W / 2 for W <= 8k, since the cost of an update does not depend on the scaling it
+learns), PoSE at a window of W (target 32k). Its log gives the peak memory (MLX's peak, the maximum over the
+updates) and the seconds of each update after the first (median); `python -m pose_mlx.plan --json` with the same
+flags gives the prediction. A configuration the planner says does not fit in this machine's memory is recorded as
+such, not run. Records go to `results/real_model/cost/<device>.json` (one file per device, records of earlier runs
+on that device kept unless re-measured), and `--plot-only` draws `results/real_model/cost.png` from every device's
+file: memory and seconds per update by target, full-length against PoSE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks.common import DOCS, REAL_MODEL, OutOfTime, child_env, model_file, run_logged, set_budget, write_results
+from benchmarks.evidence_full_length import joined_corpus
+from benchmarks.evidence_runs import device
+
+COST = REAL_MODEL / "cost"
+DEFAULT_CONFIGS = "pose:1024,pose:2048,full:8192,full:16384,full:32768"
+POSE_TARGET = 32768
+
+
+def parse_configs(text: str) -> list[tuple[str, int]]:
+    """"full:8192,pose:1024" -> [("full", 8192), ("pose", 1024)]."""
+    out = []
+    for item in text.split(","):
+        method, _, window = item.strip().partition(":")
+        if method not in ("full", "pose") or not window.isdigit():
+            raise SystemExit(f"--configs: {item!r} is not full:WINDOW or pose:WINDOW")
+        out.append((method, int(window)))
+    return out
+
+
+def finetune_args(method: str, window: int, gguf: Path, data: Path, work: Path, steps: int,
+                  checkpoint: bool) -> list[str]:
+    """The flags shared by the run and its plan."""
+    original = 8192 if method == "pose" or window > 8192 else window // 2
+    target = POSE_TARGET if method == "pose" else window
+    return ["--model", str(gguf), "--original", str(original), "--target", str(target), "--window",
+            str(1024 if method == "full" else window), "--sampler", method, "--schedule", "yarn", "--lora-rank", "16",
+            "--batch-size", "1", "--steps", str(steps), "--warmup", "1", "--lr", "3e-5", "--data", str(data),
+            "--cache-dir", str(work / "cache"), *(["--grad-checkpoint"] if checkpoint else [])]
+
+
+def predicted(argv: list[str]) -> dict:
+    """`pose_mlx.plan --json` of a run's flags (plan takes finetune's): {"predicted_bytes", "fits"}."""
+    out = subprocess.run([sys.executable, "-m", "pose_mlx.plan", *argv, "--json"], capture_output=True, text=True,
+                         env=child_env())
+    if out.returncode:
+        raise SystemExit(f"pose_mlx.plan failed: {out.stderr.strip()}")
+    plan = json.loads(out.stdout)
+    return {"predicted_bytes": plan["peak_bytes"], "fits": plan["fits"]}
+
+
+def measure(method: str, window: int, gguf: Path, data: Path, work: Path, steps: int, checkpoint: bool) -> dict:
+    """One configuration's record: measured (peak bytes, median seconds per update after the first) or why not."""
+    argv = finetune_args(method, window, gguf, data, work, steps, checkpoint)
+    record = {"method": method, "window": window, "grad_checkpoint": checkpoint, "device": device(), **predicted(argv)}
+    if not record["fits"]:
+        record["not_measured"] = "the planner predicts it does not fit in this machine's memory"
+        return record
+    out = work / "cost" / f"{method}-{window}"
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(out.with_name(out.name + ".partial"), ignore_errors=True)
+    run_logged(["pose_mlx.finetune", *argv, "--output", str(out), "--no-progress", "--save-every", "0"],
+               work / "logs" / f"cost.{method}-{window}.log")
+    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines() if line.strip()]
+    updates = [e for e in log if "seconds" in e and "loss" in e]
+    record.update(peak_bytes=max(e["peak_memory_gb"] for e in updates) * 1e9,
+                  seconds_per_update=statistics.median(e["seconds"] for e in updates[1:]),
+                  updates_timed=len(updates) - 1, tokens_per_update=updates[-1]["tokens"])
+    shutil.rmtree(out, ignore_errors=True)  # only the record is kept: a fused 135M model is 0.5 GB
+    return record
+
+
+def device_file() -> Path:
+    name = "".join(c if c.isalnum() else "-" for c in device().split(" on ")[0]).strip("-").lower()
+    return COST / f"{name}.json"
+
+
+def plot(path: Path) -> Path | None:
+    """Memory and seconds per update by target, full-length against PoSE, one marker style per device."""
+    records = [r for f in sorted(COST.glob("*.json")) for r in json.loads(f.read_text())["records"] if "peak_bytes" in r]
+    if not records:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    devices = sorted({r["device"] for r in records})
+    for d, marker in zip(devices, "os^D"):
+        for method, colour in (("full", "tab:red"), ("pose", "tab:blue")):
+            rs = sorted((r for r in records if r["device"] == d and r["method"] == method), key=lambda r: r["window"])
+            for r in rs:
+                x = r["window"] if method == "full" else POSE_TARGET
+                label = f"{method} {r['window'] // 1024}k window" if method == "pose" else "full-length"
+                for ax, key, scale in ((axes[0], "peak_bytes", 1e9), (axes[1], "seconds_per_update", 1)):
+                    ax.scatter([x], [r[key] / scale], color=colour, marker=marker)
+                    if method == "pose":
+                        ax.annotate(label, (x, r[key] / scale), fontsize=7, xytext=(4, 0), textcoords="offset points")
+            xs = [r["window"] for r in rs] if method == "full" else []
+            for ax, key, scale in ((axes[0], "peak_bytes", 1e9), (axes[1], "seconds_per_update", 1)):
+                if len(xs) > 1:
+                    ax.plot(xs, [r[key] / scale for r in rs], color=colour, label=f"full-length ({d.split(' on ')[0]})")
+    for ax, label in ((axes[0], "peak memory per update (GB)"), (axes[1], "seconds per update")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("target context (full-length trains on it; PoSE reaches it from its window)")
+        ax.set_ylabel(label)
+        ax.set_yscale("log")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("Fine-tuning SmolLM2-135M: full-length vs PoSE (LoRA r16, 1 row per update)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"method:window list (default {DEFAULT_CONFIGS})")
+    p.add_argument("--steps", type=int, default=3, help="updates per configuration; the first is not timed (default 3)")
+    p.add_argument("--grad-checkpoint", action="store_true", help="recompute activations (both methods alike)")
+    p.add_argument("--work", type=Path, default=Path("out/real_model"), help="corpus, token cache and logs")
+    p.add_argument("--docs", type=Path, default=DOCS, help="the reST sources (default %(default)s)")
+    p.add_argument("--budget", type=float, default=None, help="seconds: stop the running configuration when spent")
+    p.add_argument("--plot-only", action="store_true", help="only draw cost.png from the committed records")
+    args = p.parse_args(argv)
+    if not args.plot_only:
+        set_budget(args.budget)
+        gguf = model_file()
+        data = joined_corpus(args.docs, gguf, args.work, 32768)
+        path = device_file()
+        kept = json.loads(path.read_text())["records"] if path.is_file() else []
+        for method, window in parse_configs(args.configs):
+            try:
+                record = measure(method, window, gguf, data, args.work, args.steps, args.grad_checkpoint)
+            except OutOfTime as stop:
+                print(stop, file=sys.stderr)
+                break
+            kept = [r for r in kept if (r["method"], r["window"], r["grad_checkpoint"]) !=
+                    (method, window, args.grad_checkpoint)] + [record]
+            write_results("cost_curve", {"records": kept}, path)
+            print(json.dumps(record), flush=True)
+    drawn = plot(REAL_MODEL / "cost.png")
+    print(f"drew {drawn}" if drawn else "nothing measured yet to draw")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
