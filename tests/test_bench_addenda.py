@@ -132,3 +132,18 @@ def test_cost_curve_runs_what_the_addendum_registers(tmp_path):
     pose2 = cc.finetune_args("pose", 2048, tmp_path / "m.gguf", tmp_path, tmp_path, 3, False)
     assert (flag(pose2, "--window"), flag(pose2, "--target"), flag(pose2, "--lora-rank")) == ("2048", "32768", "16")
     assert "--grad-checkpoint" in full8 and "--grad-checkpoint" not in pose2
+
+
+def test_pareto_front_ranks_confirmed_runs_only_and_keeps_the_undominated():
+    from benchmarks.evidence_summary import front, points
+
+    runs = {"a": {"stage": "confirmation", "passkey": {"32768": 0.9}, "ppl": {"32768": 6.0}},
+            "b": {"stage": "confirmation", "passkey": {"32768": 0.9}, "ppl": {"32768": 7.0}},  # a beats it
+            "c": {"stage": "confirmation", "passkey": {"32768": 1.0}, "ppl": {"32768": 8.0}},  # better passkey
+            "d": {"passkey": {"32768": 1.0}, "ppl": {"32768": 5.0}},  # exploratory: shown, never ranked
+            "e (earlier)": {"passkey": {"32768": 1.0}, "ppl": {"32768": 1.0}},  # another run's stage: left out
+            "f": {"stage": "confirmation", "passkey": {"16384": 1.0}, "ppl": {"32768": 1.0}},  # no passkey at 32k
+            "g": {"stage": "confirmation", "exploratory": {"passkey": {"32768": 0.1}, "ppl": {"32768": 9.0}}}}
+    pts = points(runs, 32768)
+    assert set(pts) == {"a", "b", "c", "d", "g"} and pts["d"]["stage"] == pts["g"]["stage"] == "exploratory"
+    assert sorted(front(pts)) == ["a", "c"]
