@@ -415,8 +415,11 @@ def main(argv=None) -> int:
         exploratory = earlier.get("exploratory", {}) if earlier.get("stage") == "confirmation" else earlier
         results["runs"][name] = {"stage": "confirmation", **entry, **({"exploratory": exploratory} if exploratory else {})}
     results.pop("protocol_runs", None)
-    results.update(protocol=str(args.protocol.resolve().relative_to(ROOT)), tests=tests,
-                   headline=headline(protocol, runs))
+    head = headline(protocol, runs)
+    if "exploratory_goals" not in results:  # the exploratory stage's goals, once under `goals`
+        results["exploratory_goals"] = results.pop("goals", [])
+    results.update(protocol=str(args.protocol.resolve().relative_to(ROOT)), tests=tests, headline=head,
+                   goals=[{"run": head, "goal": g, "value": v, "held": h} for g, v, h in goal_rows(protocol, runs, head)])
     write_results("real_model", {k: v for k, v in results.items() if k != "benchmark"}, results_path)
     report = write_report(protocol, runs, tests, results["headline"])
     print(f"wrote {results_path} and {report}", flush=True)
