@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.common import REAL_MODEL, RESULTS_DIR
+from pose_mlx.analysis.stats import kendall_tau
 from pose_mlx.sim.agreement import agreement
 from pose_mlx.sim.report import AGREEMENT_HEADING, agreement_section
 
@@ -47,10 +48,27 @@ def replace_section(report: str, section: list[str]) -> str:
     return report[:start] + text + report[end + 1:]
 
 
+#: The methods left out in the agreement's ablations: where the two rankings part (docs/simulator.md).
+ABLATIONS = {"without dynamic, adapt-dynamic": ("dynamic", "adapt-dynamic"), "without adapt-yarn": ("adapt-yarn",)}
+
+
+def ablations(record: dict) -> dict:
+    """{name: {"ppl_tau", "passkey_tau", "methods"}}: the agreement over `record`'s methods less those `ABLATIONS`
+    names (both sides' scores as measured; Kendall's tau-b)."""
+    out = {}
+    for name, dropped in ABLATIONS.items():
+        methods = [m for m in record["methods"] if m not in dropped]
+        taus = {f"{m}_tau": kendall_tau([record["sim"][m][x] for x in methods], [record["real"][m][x] for x in methods])
+                for m in ("ppl", "passkey")}
+        out[name] = {**taus, "methods": methods}
+    return out
+
+
 def refresh(sim: Path = SIM, real: Path = REAL) -> dict:
     """Recompute and write the agreement (both results.json files, the report); returns it."""
     sim_results, real_results = (json.loads(p.read_text()) for p in (sim / "results.json", real))
     record = agreement(sim_results, real_results)
+    record["ablations"] = ablations(record)
     sim_results = _with_key(sim_results, record, "claims")
     (sim / "results.json").write_text(json.dumps(sim_results, indent=1) + "\n")
     real.write_text(json.dumps(_with_key(real_results, record, None), indent=2) + "\n")
