@@ -32,6 +32,7 @@ import yaml
 
 from .errors import ArgumentParser, UserError
 from .files import write_atomic
+from .lengths import parse_tokens, tokens
 from .memory import parse_size
 from .model.source import describe_aliases
 from .places import check_output
@@ -82,13 +83,14 @@ def one_of(choices: tuple) -> Rule:
 
 
 def setting(default, help: str | None = None, *, flags: tuple = (), rule: Rule | None = None, aliases: tuple = (),
-            deprecated: tuple = (), **argparse_options):
+            deprecated: tuple = (), tokens: bool = False, **argparse_options):
     """A `RunSettings` field: `default`; one flag `--<name>` with `help` (and the `argparse_options`), or the
     `flags` given; the value's `rule`; `aliases`, other YAML keys for it (mlx-lm's names); `deprecated`, older
-    names still accepted with a warning (flags when they start with --, else YAML keys only)."""
+    names still accepted with a warning (flags when they start with --, else YAML keys only); `tokens`: a count of
+    tokens, read with the length grammar (`8192` or `8k`, `pose_mlx.lengths.tokens`) from a flag or a YAML string."""
     factory = {"default_factory": default} if callable(default) else {"default": default}
     meta = {"help": help, "flags": flags, "argparse": argparse_options, "rule": rule, "aliases": aliases,
-            "deprecated": deprecated}
+            "deprecated": deprecated, "tokens": tokens}
     return field(**factory, metadata=meta)
 
 
@@ -101,11 +103,11 @@ class RunSettings:
     target: str | None = setting(
         None, "target context length: 32768, 32k, 32K, 1.5k (k = 1024) or 8x (times --original)")
     original: int | None = setting(
-        None, "the model's original (pre-training) window (default: the alias's window, else the config's "
-              "rope_scaling.original_max_position_embeddings, else its max_position_embeddings)",
-        rule=between(2, 1 << 24))
-    window: int | None = setting(None, "training window in tokens (default: --original)", rule=between(2, 1 << 24),
-                                 aliases=("max_seq_length",))
+        None, "the model's original (pre-training) window in tokens, e.g. 4096 or 4k (default: the alias's window, "
+              "else the config's rope_scaling.original_max_position_embeddings, else its max_position_embeddings)",
+        rule=between(2, 1 << 24), tokens=True)
+    window: int | None = setting(None, "training window in tokens, e.g. 1024 or 1k (default: --original)",
+                                 rule=between(2, 1 << 24), tokens=True, aliases=("max_seq_length",))
     schedule: str = setting(
         "linear", f"RoPE frequency schedule: {', '.join(SCHEDULES)} (default linear = Position Interpolation, as in "
                   "the paper)", deprecated=("--scaling",))
@@ -179,8 +181,8 @@ class RunSettings:
     data: str | None = setting(None, "text file, folder of .txt/.md/.py/.jsonl files (mlx-lm's train/valid/test.jsonl "
                                      "layout included), or a hub dataset repo")
     min_length: int | None = setting(
-        None, "skip documents shorter than this many tokens (default: the window; the target for --sampler full)",
-        rule=between(1, 1 << 31))
+        None, "skip documents shorter than this many tokens, e.g. 512 or 1k (default: the window; the target for "
+              "--sampler full)", rule=between(1, 1 << 31), tokens=True)
     cache_dir: str = setting("~/.cache/pose_mlx/tokens",
                              "where tokenized corpora are cached (default ~/.cache/pose_mlx/tokens)")
     heldout: float = setting(
@@ -258,7 +260,7 @@ def _add_flags(parser: argparse.ArgumentParser, f) -> None:
             group.add_argument(flag.option, dest=f.name, action=f"store_{str(flag.sets).lower()}", help=flag.help)
             continue
         kind = kind_of(f)
-        typed = {"type": kind} if kind in (int, float) else {}
+        typed = {"type": tokens} if f.metadata["tokens"] else {"type": kind} if kind in (int, float) else {}
         group.add_argument(flag.option, dest=f.name, help=flag.help, **typed, **flag.argparse)
 
 
@@ -426,6 +428,8 @@ def _yaml_entry(path, key: str, value, names: dict) -> dict:
         if not isinstance(value, dict):
             raise UserError(f"--config {path}: {key} must be a mapping such as {{beta_fast: 32}}")
         return {f.name: value}
+    if f.metadata["tokens"] and isinstance(value, str):  # 8k, as on the command line
+        return {f.name: parse_tokens(value, f"--config {path}: {key}")}
     return {f.name: _check_type(path, key, value, kind_of(f))}
 
 
