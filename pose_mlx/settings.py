@@ -64,10 +64,18 @@ class Flag:
 @dataclass(frozen=True)
 class Rule:
     """What a setting's value must satisfy: `holds(value)`, else the UserError `message` formatted with the flag
-    and the value. None is always allowed (it stands for the default)."""
+    and the value. None is always allowed (it stands for the default). A rule with `choices` (a name among them)
+    also takes the name in another case (`canonical_names` rewrites it) and suggests the closest on a miss."""
 
     holds: Callable
     message: str
+    choices: tuple = ()
+
+    def refusal(self, flag: str, value) -> str:
+        """The one-line message for a `value` of `flag` that does not hold, with the closest choice if any."""
+        message = self.message.format(flag=flag, value=value)
+        close = difflib.get_close_matches(str(value).lower(), self.choices, n=1)
+        return message + (f"; did you mean '{close[0]}'?" if close else "")
 
 
 def between(low, high) -> Rule:
@@ -79,7 +87,7 @@ POSITIVE = Rule(lambda v: math.isfinite(v) and v > 0, "{flag} must be a finite n
 
 
 def one_of(choices: tuple) -> Rule:
-    return Rule(lambda v: v in choices, f"{{flag}} {{value!r}} is not one of {', '.join(choices)}")
+    return Rule(lambda v: v in choices, f"{{flag}} {{value!r}} is not one of {', '.join(choices)}", choices)
 
 
 def setting(default, help: str | None = None, *, flags: tuple = (), rule: Rule | None = None, aliases: tuple = (),
@@ -110,7 +118,7 @@ class RunSettings:
                                  rule=between(2, 1 << 24), tokens=True, aliases=("max_seq_length",))
     schedule: str = setting(
         "linear", f"RoPE frequency schedule: {', '.join(SCHEDULES)} (default linear = Position Interpolation, as in "
-                  "the paper)", deprecated=("--scaling",))
+                  "the paper)", rule=one_of(tuple(SCHEDULES)), deprecated=("--scaling",))
     schedule_params: dict = setting(
         dict, flags=(Flag("--schedule-param", "schedule parameter KEY=VALUE, repeatable, e.g. beta_fast=32, "
                       "blend=wavelength, beta=500000 (the keys of each schedule are listed below); --schedule yarn "
@@ -461,13 +469,22 @@ def parse_invocation(argv=None) -> Invocation:
     overwrite = bool(given.pop("overwrite", from_yaml.pop("overwrite", False)))
     if resume and overwrite:
         raise UserError("--resume and --overwrite exclude each other")
-    if resume:
-        settings = _resume_settings({**from_yaml, **given})
-    else:
-        settings = RunSettings(**{**from_yaml, **given})
+    values = canonical_names({**from_yaml, **given})
+    settings = _resume_settings(values) if resume else RunSettings(**values)
     settings = _with_none_as_default(settings)
     validate(settings)
     return Invocation(settings, resume, overwrite, frozenset(from_yaml) | frozenset(given))
+
+
+def canonical_names(values: dict) -> dict:
+    """`values` ({setting: value}) with a name given in another case ('YaRN') replaced by the choice it names
+    ('yarn'), for every setting whose rule has choices (--schedule, --sampler, --content, --align-rows)."""
+    out = dict(values)
+    for f in fields(RunSettings):
+        rule, value = f.metadata["rule"], out.get(f.name)
+        if rule is not None and isinstance(value, str) and value.lower() in rule.choices:
+            out[f.name] = value.lower()
+    return out
 
 
 def _with_none_as_default(settings: RunSettings) -> RunSettings:
@@ -557,16 +574,12 @@ def validate(s: RunSettings) -> None:
     for f in fields(RunSettings):
         rule, value = f.metadata["rule"], getattr(s, f.name)
         if rule is not None and value is not None and not rule.holds(value):
-            raise UserError(rule.message.format(flag=flags_of(f)[0].option, value=value))
+            raise UserError(rule.refusal(flags_of(f)[0].option, value))
     if not s.model:
         raise UserError("--model is required (a folder, a .gguf file, a hub id or an alias)")
     if s.short_share and s.sampler in ("full", "plain", "none"):
         raise UserError(f"--short-share mixes short rows into a sampler that skips positions; --sampler "
                         f"{s.sampler} has none to mix with")
-    if s.schedule not in SCHEDULES:
-        close = difflib.get_close_matches(s.schedule, SCHEDULES, n=1)
-        raise UserError(f"--schedule {s.schedule!r} is not a known schedule"
-                        + (f"; did you mean '{close[0]}'?" if close else f" ({', '.join(SCHEDULES)})"))
     if s.max_memory is not None:
         parse_size(s.max_memory)
     params = dict(s.schedule_params)
@@ -580,5 +593,5 @@ def validate(s: RunSettings) -> None:
 
 
 __all__ = ["ADJUSTABLE", "ALIGN_ROWS", "Flag", "Invocation", "RUN_FILE", "RUN_SAMPLERS", "Rule", "RunSettings",
-           "build_parser", "flags_of", "load_run_file", "parse_invocation", "parse_param", "read_yaml", "run_folder",
+           "build_parser", "canonical_names", "flags_of", "load_run_file", "parse_invocation", "parse_param", "read_yaml", "run_folder",
            "save_run_file", "saved_world_size", "setting", "validate"]
