@@ -205,8 +205,9 @@ class RunSettings:
     save_every: int = setting(100, "checkpoint every N steps (default 100; 0: only at the end and on "
                                    "Ctrl-C/SIGTERM)", rule=between(0, 10**9))
     progress: bool = setting(True, flags=(Flag("--no-progress", "no progress bar", False),))
-    max_memory: str | None = setting(None, "refuse to start when the predicted peak memory exceeds this (e.g. 48GB, "
-                                           "16GiB; default: the memory available on this machine)")
+    max_memory: str | None = setting(None, "refuse to start when the predicted peak memory exceeds this: a size with "
+                                           "its unit, e.g. 48G, 48GB, 16GiB or 512M (binary units; a bare number is "
+                                           "refused); default: the memory available on this machine")
     force: bool = setting(False, flags=(Flag("--force", "start even when the predicted peak memory exceeds "
                                                         "--max-memory", True),))
 
@@ -581,6 +582,9 @@ def validate(s: RunSettings) -> None:
         raise UserError(f"--short-share mixes short rows into a sampler that skips positions; --sampler "
                         f"{s.sampler} has none to mix with")
     if s.max_memory is not None:
+        if re.fullmatch(r"\s*\d+(\.\d+)?\s*", str(s.max_memory)):  # 8 GB or 8 bytes? ask, do not guess
+            raise UserError(f"--max-memory {str(s.max_memory).strip()} has no unit: write e.g. "
+                            f"{str(s.max_memory).strip()}G (units K, M, G, T are binary; B for bytes)")
         parse_size(s.max_memory)
     params = dict(s.schedule_params)
     factor = params.pop("factor", 2.0)

@@ -43,3 +43,19 @@ def test_an_unknown_name_suggests_the_closest_in_one_line(flag, given, close):
 def test_a_name_nothing_is_close_to_lists_the_choices():
     message = _refusal("--sampler", "qqqqqq")
     assert message == "--sampler 'qqqqqq' is not one of pose, pose-ref, pose-middle, randpos, full, plain, none"
+
+
+@pytest.mark.parametrize("given", ["8", "8.5", " 16 "])
+def test_max_memory_without_a_unit_is_refused_with_the_spelling_to_use(given, tmp_path):
+    """`--max-memory 8` was read as 8 bytes (and refused every run as too large); now it asks for the unit."""
+    number = given.strip()
+    expected = f"--max-memory {number} has no unit: write e.g. {number}G (units K, M, G, T are binary; B for bytes)"
+    assert _refusal("--max-memory", given) == expected
+    config = tmp_path / "run.yaml"
+    config.write_text(f"max_memory: {number}\n")  # a YAML number, as a user would write it
+    assert _refusal("--config", str(config)) == expected
+
+
+@pytest.mark.parametrize("given", ["8G", "8GB", "8GiB", "512M", "1.5T", "4096B"])
+def test_max_memory_with_a_unit_is_taken(given):
+    assert _settings("--max-memory", given).max_memory == given
