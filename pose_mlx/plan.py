@@ -360,11 +360,20 @@ def render(plan: memory.Plan, arch: memory.Architecture, model: str, source: str
     return "\n".join(lines)
 
 
+#: The settings a plan depends on (`_lengths`, `memory.run_settings`, `memory.limit`): `plan --help` lists their flags.
+PLANNED = ("model", "target", "original", "window", "sampler", "full", "lora_rank", "lora_layers", "batch_size",
+           "grad_accum", "grad_checkpoint", "compile", "align_rows", "max_memory")
+
+
 def _parser():
-    parser = build_parser()
+    parser = build_parser(shown=PLANNED)
     parser.prog = "python -m pose_mlx.plan"
+    parser.usage = "%(prog)s --model MODEL [--target LENGTH] [options] [--json]"
     parser.description = ("Predict the peak memory of `python -m pose_mlx.finetune` with the same flags, from the\n"
-                          "model's configuration alone (nothing is loaded or trained; --data is not needed).")
+                          "model's configuration alone (nothing is loaded or trained; --data is not needed). Every\n"
+                          "flag of finetune is accepted, so a finetune command line plans as it is; the flags below\n"
+                          "are those that change the plan. Reference: docs/memory.md.")
+    parser.epilog = f"model aliases (--model NAME):\n{source.describe_aliases()}"
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return parser
 

@@ -107,46 +107,35 @@ class RunSettings:
     """Every setting of a fine-tuning run; the field names are the flags' names (see `setting`)."""
 
     model: str | None = setting(
-        None, "local mlx-lm/HF model folder, .gguf file, Hugging Face hub id, or an alias listed below")
+        None, "(required) local mlx-lm/HF model folder, .gguf file, Hugging Face hub id, or an alias listed below",
+        metavar="MODEL")
     target: str | None = setting(
-        None, "target context length: 32768, 32k, 32K, 1.5k (k = 1024) or 8x (times --original)")
+        None, "target context length: 32768, 32k, 1.5k (k = 1024) or 8x (times --original)",
+        metavar="LENGTH")
     original: int | None = setting(
-        None, "the model's original (pre-training) window in tokens, e.g. 4096 or 4k (default: the alias's window, "
-              "else the config's rope_scaling.original_max_position_embeddings, else its max_position_embeddings)",
-        rule=between(2, 1 << 24), tokens=True)
+        None, "the model's pre-training window in tokens, e.g. 4096 or 4k (default: the alias's, else the model "
+              "config's)", rule=between(2, 1 << 24), tokens=True)
     window: int | None = setting(None, "training window in tokens, e.g. 1024 or 1k (default: --original)",
                                  rule=between(2, 1 << 24), tokens=True, aliases=("max_seq_length",))
     schedule: str = setting(
-        "linear", f"RoPE frequency schedule: {', '.join(SCHEDULES)} (default linear = Position Interpolation, as in "
-                  "the paper)", rule=one_of(tuple(SCHEDULES)), deprecated=("--scaling",))
+        "linear", "RoPE frequency schedule, one of those listed below (default linear = Position Interpolation, the "
+                  "PoSE paper's choice)", rule=one_of(tuple(SCHEDULES)), deprecated=("--scaling",), metavar="NAME")
     schedule_params: dict = setting(
-        dict, flags=(Flag("--schedule-param", "schedule parameter KEY=VALUE, repeatable, e.g. beta_fast=32, "
-                      "blend=wavelength, beta=500000 (the keys of each schedule are listed below); --schedule yarn "
-                      "with attention_factor=1 keeps YaRN's frequencies without its attention temperature (training-"
-                      "free it kept in-window retrieval where full YaRN lost it; after PoSE fine-tuning of "
-                      "SmolLM2-135M it kept no more, 29/30 at 4k as with full YaRN, and cost 32k retrieval and "
-                      "perplexity: 17/24 and 6.31 against 20/24 and 5.55; docs/finetune.md)",
-                      argparse={"action": "append", "metavar": "KEY=VALUE"}),),
+        dict, flags=(Flag("--schedule-param", "a parameter of the schedule, KEY=VALUE, repeatable, e.g. beta_fast=32 "
+                                              "(each schedule's keys and defaults are listed below)",
+                          argparse={"action": "append", "metavar": "KEY=VALUE"}),),
         deprecated=("--scaling-param", "scaling_params"))
     sampler: str = setting(
-        "pose", "how position ids are drawn: pose (the paper), pose-ref (the authors' code), pose-middle (CREAM-style: "
-                "head at 0, tail at the end of the target window, middle placed by a truncated Gaussian around the "
-                "middle; trains both ends and the middle distances more, the other distances less than pose; on "
-                "SmolLM2-135M it did not beat pose: 32k passkey 5/10 against 8/10 in a screening), "
-                "randpos, full (full-length fine-tuning at the target), plain (ordinary fine-tuning: positions "
-                "0..window-1 with the original RoPE, the --schedule applied only at export; the control that gets "
-                "PoSE's adaptation without its positions), none (schedule only: extend and export, no training)",
-        rule=one_of(RUN_SAMPLERS), deprecated=("--method",))
+        "pose", "how position ids are drawn (default pose): pose (the paper), pose-ref (the authors' code), "
+                "pose-middle (CREAM-style middle focus), randpos, full (full-length fine-tuning at the target), "
+                "plain (ordinary fine-tuning, the schedule applied at export), none (no training: extend and "
+                "export)", rule=one_of(RUN_SAMPLERS), deprecated=("--method",), metavar="NAME")
     chunks: int = setting(2, "number of PoSE chunks N (default 2)", rule=between(1, 1 << 24))
-    content: str = setting("uniform", "PoSE content offsets v_i: uniform (paper), zero (v_i = 0), aligned (v_i = u_i)",
-                           rule=one_of(CONTENT))
+    content: str = setting("uniform", "PoSE content offsets v_i: uniform (default, the paper's), zero (v_i = 0), "
+                                      "aligned (v_i = u_i)", rule=one_of(CONTENT), metavar="NAME")
     short_share: float = setting(
-        0.0, "mixed-window training (LongRoPE2): this fraction F of the training rows (0 <= F < 1, default 0) read "
-             "positions 0..window-1 with the model's original RoPE (attention factor 1), the rest come from "
-             "--sampler with the --schedule; meant to keep short-context skills. Costs: only 1 - F of the tokens "
-             "train the long positions (raise --steps by 1/(1 - F) for the same long-context training); the same "
-             "memory (same row length); the exported model uses the schedule everywhere. On SmolLM2-135M F = 0.25 "
-             "kept no more at 4k than F = 0 (8/10 in a screening; docs/finetune.md)",
+        0.0, "mixed-window training: this share F of the rows (0 <= F < 1, default 0) reads positions "
+             "0..window-1 with the original RoPE, the rest follow --sampler and --schedule",
         rule=Rule(lambda v: 0 <= v < 1, "{flag} must be a fraction in [0, 1), got {value!r}"), metavar="F")
     full: bool = setting(False, flags=(Flag("--lora", "train LoRA adapters (default; works on quantized bases)", False),
                                        Flag("--full", "train all weights", True)))
@@ -159,8 +148,9 @@ class RunSettings:
     fuse: bool = setting(True, flags=(Flag("--no-fuse", "keep LoRA adapters separate (adapters.safetensors) instead "
                                                         "of fusing them into the weights", False),))
     lr: float = setting(2e-5, "peak learning rate of AdamW (default 2e-5)", rule=POSITIVE, aliases=("learning_rate",))
-    steps: int = setting(1000, "optimizer updates (default 1000); with --resume it may be changed, e.g. raised to "
-                               "train longer", rule=between(1, 10**9), aliases=("iters",))
+    steps: int = setting(1000, "optimizer updates (default 1000); with --resume it may be changed: raised, it "
+                               "trains an interrupted or a finished run longer", rule=between(1, 10**9),
+                         aliases=("iters",))
     batch_size: int = setting(1, "sequences per micro-batch (per rank under mlx.launch; default 1)",
                               rule=between(1, 1 << 16))
     grad_accum: int = setting(1, "micro-batches per update (default 1)", rule=between(1, 1 << 16),
@@ -168,31 +158,27 @@ class RunSettings:
     warmup: int = setting(10, "linear warm-up updates, then linear decay to 0 (default 10)", rule=between(0, 10**9))
     max_grad_norm: float = setting(1.0, "clip the global gradient norm (default 1.0)", rule=POSITIVE)
     loss_scale: float | None = setting(
-        None, "multiply the loss by this before the backward pass and divide the gradients by it after, so that "
-              "float16 gradients keep their digits (default: 4096 for a model that computes in float16, as a GGUF "
-              "file does on a GPU, else 1); costs nothing. Lower it if a float16 run stops with a non-finite "
-              "gradient norm",
+        None, "multiply the loss by this for the backward pass and divide the gradients by it, so that float16 "
+              "gradients keep their digits (default: 4096 for a model computing in float16, else 1); lower it if "
+              "a float16 run stops with a non-finite gradient norm",
         rule=Rule(lambda v: math.isfinite(v) and v >= 1, "{flag} must be a finite number >= 1, got {value}"))
     grad_checkpoint: bool = setting(False, flags=(Flag(
-        "--grad-checkpoint", "recompute block activations in the backward pass: slower (a second forward of each "
-        "block), the memory saved depends on the run (Llama-2-7B LoRA at a 4k window: 94 -> 24 GiB on the CPU, 97 "
-        "-> 32 GiB on a GPU; `python -m pose_mlx.plan` predicts yours)", True),))
+        "--grad-checkpoint", "recompute each block's activations in the backward pass: less memory, slower "
+        "(`python -m pose_mlx.plan` predicts the saving)", True),))
     compile: bool = setting(True, flags=(Flag("--no-compile", "run the training step eagerly instead of under "
                                                               "mx.compile (same math)", False),))
     align_rows: str = setting(
-        "auto", "pad every training row with masked tokens to a multiple of 128 inputs, the query length for which "
-                "MLX's CUDA attention differentiates through cuDNN's fused kernel instead of recomputing the score "
-                "matrices: auto (default: on with CUDA, off on Metal and the CPU, which train with the unfused "
-                "attention), on, off. Costs the padding's compute (up to 127 positions per row; 1 with the default "
-                "window of a power of two); the loss and its gradient are unchanged",
+        "auto", "pad each training row with masked tokens to a multiple of 128 inputs, so that MLX's CUDA attention "
+                "can use its fused backward: auto (default: on with CUDA only), on, off; the loss is unchanged",
         rule=one_of(ALIGN_ROWS), choices=ALIGN_ROWS)
-    data: str | None = setting(None, "text file, folder of .txt/.md/.py/.jsonl files (mlx-lm's train/valid/test.jsonl "
-                                     "layout included), or a hub dataset repo")
+    data: str | None = setting(None, "(required unless --sampler none) text file, folder of .txt/.md/.py/.jsonl "
+                                     "files (mlx-lm's train/valid/test.jsonl layout included), or a hub dataset repo",
+                               metavar="PATH")
     min_length: int | None = setting(
         None, "skip documents shorter than this many tokens, e.g. 512 or 1k (default: the window; the target for "
               "--sampler full)", rule=between(1, 1 << 31), tokens=True)
     cache_dir: str = setting("~/.cache/pose_mlx/tokens",
-                             "where tokenized corpora are cached (default ~/.cache/pose_mlx/tokens)")
+                             "where tokenized corpora are cached (default ~/.cache/pose_mlx/tokens)", metavar="DIR")
     heldout: float = setting(
         0.05, "fraction of documents held out for --eval-every when the data has no valid.jsonl (default 0.05)",
         rule=Rule(lambda v: 0 < v < 1, "{flag} must be between 0 and 1 (a fraction of the documents), got {value}"))
@@ -201,13 +187,15 @@ class RunSettings:
     eval_batches: int = setting(8, "held-out batches per evaluation (default 8)", rule=between(1, 1 << 20),
                                 aliases=("val_batches",))
     seed: int = setting(0, "seed of data sampling and LoRA initialisation (default 0)", rule=between(0, 2**32 - 1))
-    output: str | None = setting(None, "output model folder (default: <model name>-<sampler>-<target>)")
+    output: str | None = setting(None, "output model folder (default: <model name>-<sampler>-<target>)",
+                                 metavar="DIR")
     save_every: int = setting(100, "checkpoint every N steps (default 100; 0: only at the end and on "
                                    "Ctrl-C/SIGTERM)", rule=between(0, 10**9))
     progress: bool = setting(True, flags=(Flag("--no-progress", "no progress bar", False),))
     max_memory: str | None = setting(None, "refuse to start when the predicted peak memory exceeds this: a size with "
                                            "its unit, e.g. 48G, 48GB, 16GiB or 512M (binary units; a bare number is "
-                                           "refused); default: the memory available on this machine")
+                                           "refused); default: the memory available on this machine",
+                                     metavar="SIZE")
     force: bool = setting(False, flags=(Flag("--force", "start even when the predicted peak memory exceeds "
                                                         "--max-memory", True),))
 
@@ -260,43 +248,57 @@ def _schedule_help() -> str:
     return "\n".join(lines)
 
 
-def _add_flags(parser: argparse.ArgumentParser, f) -> None:
-    """The flags of field `f`: a value flag typed by the annotation; switches (exclusive when several)."""
+def _add_flags(parser: argparse.ArgumentParser, f, shown: bool = True) -> None:
+    """The flags of field `f`: a value flag typed by the annotation (`tokens` for a count of tokens) and named by
+    its kind (N, X, TEXT) unless it declares a metavar or choices; switches (exclusive when several); left out of
+    --help unless `shown`."""
     declared = flags_of(f)
     group = parser.add_mutually_exclusive_group() if len(declared) > 1 else parser
     for flag in declared:
+        text = flag.help if shown else argparse.SUPPRESS
         if flag.sets is not None:
-            group.add_argument(flag.option, dest=f.name, action=f"store_{str(flag.sets).lower()}", help=flag.help)
+            group.add_argument(flag.option, dest=f.name, action=f"store_{str(flag.sets).lower()}", help=text)
             continue
         kind = kind_of(f)
         typed = {"type": tokens} if f.metadata["tokens"] else {"type": kind} if kind in (int, float) else {}
-        group.add_argument(flag.option, dest=f.name, help=flag.help, **typed, **flag.argparse)
+        shape = {} if "choices" in flag.argparse else {"metavar": {int: "N", float: "X", str: "TEXT"}.get(kind)}
+        group.add_argument(flag.option, dest=f.name, help=text, **typed, **{**shape, **flag.argparse})
 
 
 def _deprecated_dest(old: str) -> str:
     return "deprecated" + old.replace("-", "_")
 
 
-def build_parser() -> argparse.ArgumentParser:
+#: finetune's usage line: the flags a run needs (argparse's `required` cannot say it: they may come from --config,
+#: or from the run folder with --resume).
+USAGE = """%(prog)s --model MODEL --target LENGTH --data PATH [options]
+       %(prog)s --config FILE [options]
+       %(prog)s --resume --output DIR [--steps N]"""
+
+
+def build_parser(shown: tuple | None = None) -> argparse.ArgumentParser:
     """The flags of `python -m pose_mlx.finetune` (and of `python -m pose_mlx.plan`, which takes the same): one per
-    field of `RunSettings` (the run-folder flags of `Invocation` after --output, which they act on)."""
+    field of `RunSettings` (the run-folder flags of `Invocation` after --output, which they act on). `shown`: the
+    names of the fields whose flags --help lists (default: all); the others are accepted all the same."""
     deprecated = ", ".join(f"{old} = {new.option}" for old, (_, new) in _deprecated_flags().items())
     p = ArgumentParser(
-        prog="python -m pose_mlx.finetune", argument_default=argparse.SUPPRESS,
+        prog="python -m pose_mlx.finetune", argument_default=argparse.SUPPRESS, usage=USAGE,
         description="Extend the context window of a RoPE language model with PoSE (positional skip-wise\n"
-                    "training) or a baseline, and export a standard mlx-lm model folder.",
+                    "training) or a baseline, and export a standard mlx-lm model folder. --model, --target and\n"
+                    "--data are required, on the command line or in --config. Reference, recipes and what was\n"
+                    "measured: docs/finetune.md.",
         epilog=f"model aliases (--model NAME):\n{describe_aliases()}\n\n"
                f"schedules (--schedule NAME) and their --schedule-param keys with defaults:\n{_schedule_help()}\n\n"
                f"deprecated flags (still accepted): {deprecated}",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="YAML file with any of these settings as keys (flag names with - or _, or "
-                                    "mlx-lm's keys); flags given on the command line win")
+    p.add_argument("--config", metavar="FILE", help="YAML file with any of these settings as keys (flag names with "
+                                                    "- or _, or mlx-lm's keys); flags given on the command line win")
     run_folder_fields = [f for f in fields(Invocation) if f.metadata.get("flags")]
     for f in fields(RunSettings):
-        _add_flags(p, f)
+        _add_flags(p, f, shown is None or f.name in shown)
         if f.name == "output":
             for g in run_folder_fields:
-                _add_flags(p, g)
+                _add_flags(p, g, shown is None or g.name in shown)
     for old, (f, new) in _deprecated_flags().items():
         p.add_argument(old, dest=_deprecated_dest(old), help=argparse.SUPPRESS,
                        **{k: v for k, v in new.argparse.items() if k == "action"})
@@ -597,5 +599,5 @@ def validate(s: RunSettings) -> None:
 
 
 __all__ = ["ADJUSTABLE", "ALIGN_ROWS", "Flag", "Invocation", "RUN_FILE", "RUN_SAMPLERS", "Rule", "RunSettings",
-           "build_parser", "canonical_names", "flags_of", "load_run_file", "parse_invocation", "parse_param", "read_yaml", "run_folder",
+           "USAGE", "build_parser", "canonical_names", "flags_of", "load_run_file", "parse_invocation", "parse_param", "read_yaml", "run_folder",
            "save_run_file", "saved_world_size", "setting", "validate"]

@@ -59,3 +59,54 @@ def test_max_memory_without_a_unit_is_refused_with_the_spelling_to_use(given, tm
 @pytest.mark.parametrize("given", ["8G", "8GB", "8GiB", "512M", "1.5T", "4096B"])
 def test_max_memory_with_a_unit_is_taken(given):
     assert _settings("--max-memory", given).max_memory == given
+
+
+def _results_numbers() -> set:
+    """How the project's reports quote the real-model results: each run's perplexities with two decimals and its
+    passkey counts as found/trials (benchmarks/results/real_model/results.json)."""
+    import json
+    from pathlib import Path
+
+    record = json.loads((Path(__file__).parents[1] / "benchmarks/results/real_model/results.json").read_text())
+    quoted = set()
+    for run in record["runs"].values():
+        for stage in (run, run.get("exploratory") or {}):
+            quoted |= {f"{v:.2f}" for v in (stage.get("ppl") or {}).values()}
+            for length, accuracy in (stage.get("passkey") or {}).items():
+                trials = stage["passkey_trials"][length]
+                quoted.add(f"{round(accuracy * trials)}/{trials}")
+    return quoted
+
+
+@pytest.mark.parametrize("command, most", [("finetune", 130), ("plan", 70)])
+def test_help_says_what_each_flag_does_and_quotes_no_results(command, most, capsys):
+    """--help was 184 lines with screening results in --sampler, --short-share and --schedule-param (and plan
+    repeated them): each flag's help is what it does and its default; the measurements live in docs/."""
+    import re
+    from importlib import import_module
+
+    with pytest.raises(SystemExit) as exit:
+        import_module(f"pose_mlx.{command}").main(["--help"])
+    assert exit.value.code == 0
+    text = capsys.readouterr().out
+    assert len(text.splitlines()) <= most
+    quoted = _results_numbers()
+    assert {"5.55", "17/24", "29/30", "6.31"} <= quoted  # the numbers the help quoted before
+    for line in text.splitlines():
+        numbers = set(re.findall(r"\d+/\d+|\d+\.\d\d", line))
+        assert not numbers & quoted, line
+        assert not re.search(r"screening|SmolLM2|\d+ -> \d+|passkey|perplexity", line), line
+    assert "docs/" in text
+
+
+def test_usage_shows_the_required_flags_as_required(capsys):
+    from pose_mlx import finetune, plan
+
+    with pytest.raises(SystemExit):
+        finetune.main(["--help"])
+    usage = capsys.readouterr().out.split("\n\n")[0]
+    assert usage.startswith("usage: python -m pose_mlx.finetune --model MODEL --target LENGTH --data PATH [options]")
+    assert "--config FILE" in usage and "--resume --output DIR" in usage
+    with pytest.raises(SystemExit):
+        plan.main(["--help"])
+    assert capsys.readouterr().out.startswith("usage: python -m pose_mlx.plan --model MODEL [--target LENGTH]")
