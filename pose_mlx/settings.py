@@ -45,6 +45,8 @@ RUN_FILE = "run.json"
 ALIGN_ROWS = ("auto", "on", "off")
 #: Settings that may differ between a run and its --resume without changing what the run computes.
 ADJUSTABLE = ("steps", "progress", "save_every", "cache_dir", "max_memory", "force")
+#: The default --schedule until yarn became the default: what a run whose run.json names none was trained with.
+SCHEDULE_BEFORE_YARN = "linear"
 
 
 # ------------------------------------------------------------------------------------- the declarations
@@ -118,8 +120,9 @@ class RunSettings:
     window: int | None = setting(None, "training window in tokens, e.g. 1024 or 1k (default: --original)",
                                  rule=between(2, 1 << 24), tokens=True, aliases=("max_seq_length",))
     schedule: str = setting(
-        "linear", "RoPE frequency schedule, one of those listed below (default linear = Position Interpolation, the "
-                  "PoSE paper's choice)", rule=one_of(tuple(SCHEDULES)), deprecated=("--scaling",), metavar="NAME")
+        "yarn", "RoPE frequency schedule, one of those listed below (default yarn; linear = Position "
+                "Interpolation, the PoSE paper's choice)", rule=one_of(tuple(SCHEDULES)), deprecated=("--scaling",),
+        metavar="NAME")
     schedule_params: dict = setting(
         dict, flags=(Flag("--schedule-param", "a parameter of the schedule, KEY=VALUE, repeatable, e.g. beta_fast=32 "
                                               "(each schedule's keys and defaults are listed below)",
@@ -542,7 +545,7 @@ def load_run_file(path: Path) -> RunSettings:
     if not isinstance(values, dict):
         raise UserError(f"--resume: {path} does not hold a run's settings; start over with --overwrite")
     names = _names()
-    out = {}
+    out = {"schedule": SCHEDULE_BEFORE_YARN}  # a run.json that names no schedule was trained with this one
     for key, value in values.items():
         if key not in names:
             continue
@@ -599,5 +602,5 @@ def validate(s: RunSettings) -> None:
 
 
 __all__ = ["ADJUSTABLE", "ALIGN_ROWS", "Flag", "Invocation", "RUN_FILE", "RUN_SAMPLERS", "Rule", "RunSettings",
-           "USAGE", "build_parser", "canonical_names", "flags_of", "load_run_file", "parse_invocation", "parse_param", "read_yaml", "run_folder",
+           "SCHEDULE_BEFORE_YARN", "USAGE", "build_parser", "canonical_names", "flags_of", "load_run_file", "parse_invocation", "parse_param", "read_yaml", "run_folder",
            "save_run_file", "saved_world_size", "setting", "validate"]

@@ -27,7 +27,8 @@ def _logits(model, ids):
 
 
 def test_end_to_end_8x_lora(tiny_model, text_dir, tmp_path, capsys):
-    """Train 4 LoRA steps at 8x; the output is a plain mlx-lm folder that generates and knows its schedule."""
+    """Train 4 LoRA steps at 8x with the default schedule (YaRN); the output is a plain mlx-lm folder that generates
+    and knows its schedule."""
     out = tmp_path / "out"
     code, err = run_cli(capsys, "--model", tiny_model, "--target", "8x", "--data", text_dir, "--output", out,
                         "--cache-dir", tmp_path / "cache", *FAST)
@@ -35,11 +36,11 @@ def test_end_to_end_8x_lora(tiny_model, text_dir, tmp_path, capsys):
     assert not (tmp_path / "out.partial").exists()
     config = json.loads((out / "config.json").read_text())
     assert config["max_position_embeddings"] == 8 * ORIGINAL
-    assert config["rope_scaling"] == {"rope_type": "linear", "factor": 8.0}
+    assert (config["rope_scaling"]["rope_type"], config["rope_scaling"]["factor"]) == ("yarn", 8.0)
     record = json.loads((out / "pose_mlx.json").read_text())
     assert (record["original"], record["target"], record["window"]) == (ORIGINAL, 8 * ORIGINAL, 16)
     assert (record["sampler"], record["steps"]) == ("pose", 4)
-    assert record["schedule"]["schedule"] == "linear" and record["data_fingerprint"]
+    assert record["schedule"]["schedule"] == "yarn" and record["mlx_lm_exact"] and record["data_fingerprint"]
     log = read_log(out / "train_log.jsonl")
     assert [r["step"] for r in log] == [1, 2, 3, 4]
     assert all(math.isfinite(r["loss"]) and r["tokens"] == 15 and r["peak_memory_gb"] > 0 for r in log)

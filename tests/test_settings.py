@@ -110,3 +110,31 @@ def test_usage_shows_the_required_flags_as_required(capsys):
     with pytest.raises(SystemExit):
         plan.main(["--help"])
     assert capsys.readouterr().out.startswith("usage: python -m pose_mlx.plan --model MODEL [--target LENGTH]")
+
+
+def test_the_default_schedule_is_yarn_and_linear_stays_available(tmp_path):
+    """On the project's real model PoSE + PI was the worst trained recipe (benchmarks/results/real_model): the
+    default is YaRN; PI, the PoSE paper's choice, is still one flag away (and one YAML key)."""
+    assert _settings().schedule == "yarn"
+    assert _settings("--schedule", "linear").schedule == "linear"
+    config = tmp_path / "run.yaml"
+    config.write_text("schedule: null\n")  # null: the default
+    assert _settings("--config", str(config)).schedule == "yarn"
+
+
+def test_a_run_json_without_a_schedule_resumes_with_the_one_it_was_trained_with(tmp_path):
+    """A run folder whose run.json names no schedule was started when linear was the default: --resume continues
+    it with linear, not with today's default; one that names its schedule keeps it."""
+    import json
+
+    from pose_mlx.settings import RunSettings, load_run_file
+
+    partial = tmp_path / "out.partial"
+    partial.mkdir()
+    saved = {k: v for k, v in RunSettings(model="m", target="4x", data="d").to_json().items() if k != "schedule"}
+    (partial / "run.json").write_text(json.dumps({"settings": saved, "world_size": 1}))
+    assert load_run_file(partial / "run.json").schedule == "linear"
+    resumed = parse_invocation(["--resume", "--output", str(tmp_path / "out")]).settings
+    assert (resumed.schedule, resumed.model, resumed.target) == ("linear", "m", "4x")
+    (partial / "run.json").write_text(json.dumps({"settings": {**saved, "schedule": "ntk"}, "world_size": 1}))
+    assert parse_invocation(["--resume", "--output", str(tmp_path / "out")]).settings.schedule == "ntk"
