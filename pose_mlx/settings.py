@@ -384,6 +384,11 @@ def read_yaml(path) -> dict:
         data = yaml.load(Path(path).read_text(encoding="utf-8"), Loader=_Loader)
     except FileNotFoundError:
         raise UserError(f"--config {path}: no such file") from None
+    except yaml.MarkedYAMLError as error:  # where the parser stopped, as editors and compilers say it
+        mark = error.problem_mark or error.context_mark
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+        problem = error.problem or error.context or error.__class__.__name__
+        raise UserError(f"--config {path}{where}: not valid YAML: {problem}") from None
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
         raise UserError(f"--config {path}: cannot read it ({error.__class__.__name__})") from None
     if data is None:

@@ -138,3 +138,16 @@ def test_a_run_json_without_a_schedule_resumes_with_the_one_it_was_trained_with(
     assert (resumed.schedule, resumed.model, resumed.target) == ("linear", "m", "4x")
     (partial / "run.json").write_text(json.dumps({"settings": {**saved, "schedule": "ntk"}, "world_size": 1}))
     assert parse_invocation(["--resume", "--output", str(tmp_path / "out")]).settings.schedule == "ntk"
+
+
+@pytest.mark.parametrize("text, where, problem", [
+    ("steps: 3\nlr: [1e-3\nwindow: 16\n", "3:7", "expected ',' or ']', but got ':'"),
+    ("steps: 3\n  window: 16\n", "2:9", "mapping values are not allowed here"),
+    ("model: m\n\tsteps: 3\n", "2:1", "found character '\\t' that cannot start any token"),
+])
+def test_bad_yaml_names_the_file_line_and_column(text, where, problem, tmp_path):
+    """A malformed --config said only `cannot read it (ScannerError)`: now file:line:column and the parser's own
+    problem, in one line."""
+    config = tmp_path / "run.yaml"
+    config.write_text(text)
+    assert _refusal("--config", str(config)) == f"--config {config}:{where}: not valid YAML: {problem}"
