@@ -39,7 +39,8 @@ class DataError(UserError, ValueError):
 
 @dataclass
 class ReadStats:
-    """What ``read_documents`` read and skipped. Skips count files (and, for .jsonl, lines)."""
+    """What ``read_documents`` read and skipped. Skips count files (and, for .jsonl, lines). Empty ones hold no
+    text to read (a package's empty __init__.py); binary and non-UTF-8 ones are unreadable."""
 
     files_read: int = 0
     documents: int = 0
@@ -47,8 +48,8 @@ class ReadStats:
     skipped_binary: int = 0
     skipped_encoding: int = 0
 
-    def skipped(self) -> int:
-        return self.skipped_empty + self.skipped_binary + self.skipped_encoding
+    def unreadable(self) -> int:
+        return self.skipped_binary + self.skipped_encoding
 
     def describe(self) -> str:
         return (f"{self.files_read} files read, skipped {self.skipped_empty} empty, {self.skipped_binary} binary, "
