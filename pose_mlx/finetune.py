@@ -2,9 +2,9 @@
 
 A run is a straight line:
 settings (`pose_mlx.settings`: flags, YAML or run.json, validated once)
--> plan (`pose_mlx.plan`: lengths and output folders resolved against the model's config before any weight is
-   read; the run folder claimed)
--> load (`pose_mlx.model.source`)
+-> plan (`pose_mlx.plan`: lengths, memory, data and output folders checked against the model's config before any
+   weight is downloaded or read; the run folder claimed)
+-> load (`pose_mlx.model.source`: a hub model's weights are downloaded here)
 -> extend (`pose_mlx.model.patch`: the frequency schedule, s = target / original; `--sampler plain` trains with
    the original frequencies and takes the schedule only after training)
 -> train (`pose_mlx.training.stage`: LoRA or all weights, position ids from the sampler)
@@ -66,10 +66,11 @@ def run(args) -> Path:
     from .training.lora import weights_writer
     from .training.stage import fine_tune
 
-    plan = make_plan(args)
+    plan = make_plan(args)  # every check that needs no weights: nothing but a config has been downloaded yet
     if plan.world.is_main:  # on stdout: stderr keeps its one line for bad input found later (data, disk)
         print(header(plan), flush=True)
     try:
+        plan.fetch_weights()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ScalingReplaced)
             model, tokenizer = load(plan.model, apply_schedule=False)

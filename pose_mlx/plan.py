@@ -6,7 +6,9 @@ the config.json of a hub model) and every check that can be made before loading 
 
 - lengths: `original` (settings, alias, or the config), `target` (the length grammar, `8x` = 8 * original),
   the training `window` (default: original); target > original >= 2, 2 <= window <= target, chunks <= window;
-- the model: enough transformer blocks for `--lora-layers`;
+- the model: enough transformer blocks for `--lora-layers` (for a hub model or an alias only config.json is
+  fetched: `RunPlan.fetch_weights` downloads the weights once every check below has passed);
+- the data: `--data` exists and holds a readable document (`training.reading.check_readable`);
 - memory: the predicted peak of a training step (`pose_mlx.memory`, from shapes and dtypes) must fit in
   `--max-memory` (default: the memory this machine offers), else a one-line refusal with the change that fits
   (`--force` runs anyway);
@@ -40,6 +42,7 @@ from .settings import (RUN_FILE, Invocation, RunSettings, build_parser, parse_in
                        saved_world_size)
 from .training.distributed import World, init as init_world
 from .training.lora import LoraSpec
+from .training.reading import check_readable
 
 FINISHED_MARK = source.SCHEDULE_FILE  # a finished output holds pose_mlx.json
 UNFINISHED_MARK = RUN_FILE  # a run folder holds run.json
@@ -67,6 +70,11 @@ class RunPlan:
         """Tokens per training sequence: the target for full-length fine-tuning, else the window."""
         return self.target if self.settings.sampler == "full" else self.window
 
+    def fetch_weights(self) -> None:
+        """The whole model (weights and tokenizer) in place of the config the plan was made from: a hub model or
+        an alias is downloaded now (a local folder or GGUF file is already whole)."""
+        self.model = source.resolve(self.settings.model)
+
     def release(self, failed: bool = False) -> None:
         """Give up the output's lock (a no-op for ranks other than 0 and after a release). After a failure, a run
         folder this run created that holds no checkpoint yet is removed: bad data leaves nothing behind."""
@@ -79,11 +87,13 @@ class RunPlan:
 
 
 def make_plan(invocation: Invocation) -> RunPlan:
-    """Resolve and check everything about the run that needs no weights; takes the output's lock."""
+    """Resolve and check everything about the run that needs no weights (a hub model's or an alias's config.json
+    is all that is downloaded; `RunPlan.fetch_weights` gets the rest once the plan holds), including that --data
+    has a readable document; takes the output's lock."""
     s = invocation.settings
     if not s.target:
         raise UserError("--target is required (e.g. 32k or 8x)")
-    ref = source.resolve(s.model)
+    ref = source.resolve(s.model, weights=False)
     config = source.read_config(ref)
     original, window, target = _lengths(s, config, ref)
     if s.sampler != "none" and not s.data:
@@ -95,6 +105,8 @@ def make_plan(invocation: Invocation) -> RunPlan:
         raise UserError(f"--sampler pose-middle needs a window of at least 3 tokens (head, middle, tail), got {window}")
     lora = None if s.full or s.sampler == "none" else _lora_spec(s, config)
     memory_plan = memory.check_run(config, s, window, target, ref)
+    if s.sampler != "none":
+        check_readable(s.data)
     label = Path(s.model.rstrip("/")).name.removesuffix(".gguf")  # the alias, the repo's or the folder's name
     output = Path(s.output).expanduser() if s.output else Path(f"{label}-{s.sampler}-{target}")
     plan = RunPlan(s, ref, config, original, target, window, output, run_folder(output), invocation.resume,

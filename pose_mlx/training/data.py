@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .batches import FUSED_ATTENTION_ROWS, Batch, ExampleStream, collate, required_length, row_multiple
-from .reading import (OWN_MARKS, SPLITS, SUFFIXES, DataError, ReadStats, chat_renderer,
+from .reading import (OWN_MARKS, SPLITS, SUFFIXES, DataError, ReadStats, chat_renderer, check_readable,
                       decode_text, read_documents, read_files, resolve_files)
 from .token_cache import CACHE_VERSION, TokenizedCorpus, TokenWriter, tokenize_corpus, tokenizer_fingerprint
+
 
 @dataclass
 class TrainingData:
@@ -78,6 +79,6 @@ def training_data(settings, tokenizer, window: int, target: int, world, row_mult
 
 
 __all__ = ["Batch", "CACHE_VERSION", "DataError", "ExampleStream", "FUSED_ATTENTION_ROWS", "OWN_MARKS", "ReadStats",
-           "SPLITS", "SUFFIXES", "TokenWriter", "TokenizedCorpus", "TrainingData", "chat_renderer",
+           "SPLITS", "SUFFIXES", "TokenWriter", "TokenizedCorpus", "TrainingData", "chat_renderer", "check_readable",
            "collate", "decode_text", "read_documents", "read_files", "required_length", "resolve_files",
            "row_multiple", "tokenize_corpus", "tokenizer_fingerprint", "training_data"]

@@ -199,6 +199,21 @@ def read_documents(source, stats: ReadStats | None = None, split: str = "train",
     yield from read_files(resolve_files(source, split), ReadStats() if stats is None else stats, render)
 
 
+def check_readable(source) -> None:
+    """DataError unless training `source` holds a readable document: it exists, has text files, and one of them
+    (or a .jsonl line: text, chat or completions) has text. Reads up to the first such document and needs no
+    tokenizer, so that a run checks its data before it downloads or loads a model."""
+    stats = ReadStats()
+    if next(read_files(resolve_files(source), stats, _unrendered), None) is None:
+        raise DataError(f"--data {source}: no readable document ({stats.describe()})")
+
+
+def _unrendered(record: dict) -> str | None:
+    """A chat or completions record as the text it stands for before a chat template renders it (None for
+    records of neither kind), for checks that have no tokenizer."""
+    return json.dumps(record) if "messages" in record or ("prompt" in record and "completion" in record) else None
+
+
 def read_files(files: Iterable[Path], stats: ReadStats, render=None) -> Iterator[str]:
     """``read_documents`` over already resolved files."""
     for path in files:
