@@ -35,6 +35,7 @@ from pathlib import Path
 
 from . import memory
 from .errors import UserError, command
+from .evidence import pointer
 from .lengths import parse_length
 from .model import source
 from .places import check_output
@@ -416,6 +417,8 @@ def planned_run(argv) -> tuple[RunSettings, source.ModelRef, dict, memory.TrainS
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     s, ref, config, settings = planned_run(argv)
+    original, _, target = _lengths(s, config, ref)
+    evidence = pointer(target / original) if target else None  # what was measured nearest this factor
     arch = memory.loaded_architecture(config, ref, settings.backend)
     available, where = memory.limit(s)
     plan = memory.plan_memory(arch, settings, available)
@@ -423,11 +426,13 @@ def main(argv=None) -> int:
         record = {**plan.as_dict(), "available_source": where, "model": s.model, "backend": settings.backend,
                   "row_tokens": settings.row_tokens, "attention": plan.estimate.details["attention"],
                   "architecture": {k: v for k, v in asdict(arch).items() if k not in ("spec", "warnings")},
-                  "settings": asdict(settings), "warnings": list(arch.warnings)}
+                  "settings": asdict(settings), "warnings": list(arch.warnings), "evidence": evidence}
         print(json.dumps(record, indent=1))
     else:
         for warning in arch.warnings:
             print(f"warning: {warning}", file=sys.stderr)
+        if evidence:
+            print(evidence)
         print(render(plan, arch, s.model, where))
     return 0
 

@@ -311,6 +311,7 @@ def test_header_before_loading(tiny_model, text_dir, tmp_path, capsys, monkeypat
     sampler, LoRA, rows and batch, and the same predicted peak that `python -m pose_mlx.plan` gives."""
     from pose_mlx import memory, plan
     from pose_mlx.errors import UserError
+    from pose_mlx.evidence import pointer
     from pose_mlx.model import source
 
     def failing_load(*args, **kwargs):
@@ -324,10 +325,12 @@ def test_header_before_loading(tiny_model, text_dir, tmp_path, capsys, monkeypat
     assert code == 2
     assert captured.err.strip() == "pose_mlx.finetune: error: load refused by the test"  # stderr: the one line
     head = captured.out
-    assert len(head.strip().splitlines()) == 3
-    assert f"original {ORIGINAL} -> target {8 * ORIGINAL} tokens (8x)" in head
-    assert "schedule yarn, sampler pose (2 chunks), LoRA rank 8 on 2 blocks, 16-token rows, batch 3" in head
-    assert "7 steps at lr 2e-05" in head and f"output {tmp_path / 'out'}" in head
+    lines = head.strip().splitlines()
+    assert len(lines) == 4
+    assert f"original {ORIGINAL} -> target {8 * ORIGINAL} tokens (8x)" in lines[0]
+    assert "schedule yarn, sampler pose (2 chunks), LoRA rank 8 on 2 blocks, 16-token rows, batch 3" in lines[1]
+    assert "7 steps at lr 2e-05" in lines[1] and f"output {tmp_path / 'out'}" in lines[2]
+    assert lines[3] == pointer(8.0) and lines[3].endswith("docs/evidence.md")
     assert plan.main([str(a) for a in flags] + ["--json"]) == 0
     predicted = json.loads(capsys.readouterr().out)
     assert predicted["peak_bytes"] > 0
@@ -336,7 +339,7 @@ def test_header_before_loading(tiny_model, text_dir, tmp_path, capsys, monkeypat
 
 
 def test_header_then_progress_then_summary(tiny_model, text_dir, tmp_path, capsys):
-    """A whole run prints the header (three lines on stdout) before anything else, the summary line last (on
+    """A whole run prints the header (four lines on stdout) before anything else, the summary line last (on
     stderr, as the progress bar)."""
     out = tmp_path / "out"
     code = main([str(a) for a in ["--model", tiny_model, "--target", "4x", "--data", text_dir, "--output", out,
@@ -344,9 +347,10 @@ def test_header_then_progress_then_summary(tiny_model, text_dir, tmp_path, capsy
     captured = capsys.readouterr()
     assert code == 0, captured.err
     lines = captured.out.strip().splitlines()
-    assert len(lines) == 3 and lines[0].startswith(f"model {tiny_model}: original {ORIGINAL} -> target {4 * ORIGINAL}")
+    assert len(lines) == 4 and lines[0].startswith(f"model {tiny_model}: original {ORIGINAL} -> target {4 * ORIGINAL}")
     assert "full fine-tuning, 16-token rows, batch 1, 4 steps" in lines[1]
     assert lines[2].startswith("predicted peak memory ") and lines[2].endswith(f"output {out}")
+    assert lines[3].startswith("evidence: at 4x (")
     summary = captured.err.strip().splitlines()[-1]
     assert summary.startswith("trained 4 steps") and summary.endswith(f"wrote {out}")
 
@@ -392,3 +396,4 @@ def test_every_setting_has_a_flag_in_help_and_a_yaml_key(capsys, tmp_path):
         value = getattr(defaults, f.name)
         (tmp_path / "one.yaml").write_text(yaml.safe_dump({f.name: value}))
         assert read_yaml(tmp_path / "one.yaml") == {f.name: value}, f.name
+
