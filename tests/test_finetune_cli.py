@@ -309,7 +309,7 @@ def test_max_memory_refuses_before_loading_and_force_overrides(tiny_model, text_
 def test_header_before_loading(tiny_model, text_dir, tmp_path, capsys, monkeypatch):
     """The header names the run before a weight is read (a load that fails still shows it): lengths, schedule,
     sampler, LoRA, rows and batch, and the same predicted peak that `python -m pose_mlx.plan` gives."""
-    from pose_mlx import memory, plan
+    from pose_mlx import finetune, memory, plan
     from pose_mlx.errors import UserError
     from pose_mlx.evidence import pointer
     from pose_mlx.model import source
@@ -326,11 +326,14 @@ def test_header_before_loading(tiny_model, text_dir, tmp_path, capsys, monkeypat
     assert captured.err.strip() == "pose_mlx.finetune: error: load refused by the test"  # stderr: the one line
     head = captured.out
     lines = head.strip().splitlines()
-    assert len(lines) == 4
+    assert len(lines) == 5
     assert f"original {ORIGINAL} -> target {8 * ORIGINAL} tokens (8x)" in lines[0]
     assert "schedule yarn, sampler pose (2 chunks), LoRA rank 8 on 2 blocks, 16-token rows, batch 3" in lines[1]
-    assert "7 steps at lr 2e-05" in lines[1] and f"output {tmp_path / 'out'}" in lines[2]
-    assert lines[3] == pointer(8.0) and lines[3].endswith("docs/evidence.md")
+    assert "7 steps at lr 2e-05" in lines[1] and f"output {tmp_path / 'out'}" in lines[3]
+    device = finetune.DEVICES[memory.compute_backend()]
+    assert lines[2] == (f"training: 7 updates x 45 tokens = 315 tokens on {device}; each update's time goes to "
+                        f"{tmp_path / 'out.partial' / 'log.jsonl'}")  # 3 rows of 15 targets an update
+    assert lines[4] == pointer(8.0) and lines[4].endswith("docs/evidence.md")
     assert plan.main([str(a) for a in flags] + ["--json"]) == 0
     predicted = json.loads(capsys.readouterr().out)
     assert predicted["peak_bytes"] > 0
@@ -339,7 +342,7 @@ def test_header_before_loading(tiny_model, text_dir, tmp_path, capsys, monkeypat
 
 
 def test_header_then_progress_then_summary(tiny_model, text_dir, tmp_path, capsys):
-    """A whole run prints the header (four lines on stdout) before anything else, the summary line last (on
+    """A whole run prints the header (five lines on stdout) before anything else, the summary line last (on
     stderr, as the progress bar)."""
     out = tmp_path / "out"
     code = main([str(a) for a in ["--model", tiny_model, "--target", "4x", "--data", text_dir, "--output", out,
@@ -347,10 +350,11 @@ def test_header_then_progress_then_summary(tiny_model, text_dir, tmp_path, capsy
     captured = capsys.readouterr()
     assert code == 0, captured.err
     lines = captured.out.strip().splitlines()
-    assert len(lines) == 4 and lines[0].startswith(f"model {tiny_model}: original {ORIGINAL} -> target {4 * ORIGINAL}")
+    assert len(lines) == 5 and lines[0].startswith(f"model {tiny_model}: original {ORIGINAL} -> target {4 * ORIGINAL}")
     assert "full fine-tuning, 16-token rows, batch 1, 4 steps" in lines[1]
-    assert lines[2].startswith("predicted peak memory ") and lines[2].endswith(f"output {out}")
-    assert lines[3].startswith("evidence: at 4x (")
+    assert lines[2].startswith("training: 4 updates x 15 tokens = 60 tokens on ")
+    assert lines[3].startswith("predicted peak memory ") and lines[3].endswith(f"output {out}")
+    assert lines[4].startswith("evidence: at 4x (")
     summary = captured.err.strip().splitlines()[-1]
     assert summary.startswith("trained 4 steps") and summary.endswith(f"wrote {out}")
 
@@ -397,3 +401,21 @@ def test_every_setting_has_a_flag_in_help_and_a_yaml_key(capsys, tmp_path):
         (tmp_path / "one.yaml").write_text(yaml.safe_dump({f.name: value}))
         assert read_yaml(tmp_path / "one.yaml") == {f.name: value}, f.name
 
+
+def test_the_cost_line_and_the_progress_bar_time_left(tiny_model, text_dir, tmp_path, capsys):
+    """Before training one line says what will run and where (the updates, the target tokens of each, the device)
+    and that the time left shows on the progress bar, which has it once the first update is timed."""
+    import re
+
+    out = tmp_path / "out"
+    code = main([str(a) for a in ["--model", tiny_model, "--target", "4x", "--data", text_dir, "--output", out,
+                                  "--cache-dir", tmp_path / "c", "--window", "16", "--steps", "4", "--batch-size",
+                                  "2", "--grad-accum", "3", "--lr", "1e-3", "--warmup", "1"]])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    cost = [line for line in captured.out.splitlines() if line.startswith("training: ")]
+    assert len(cost) == 1 and cost[0].startswith("training: 4 updates x 90 tokens = 360 tokens on ")  # 2 x 3 x 15
+    assert cost[0].endswith("the progress bar shows the time left from the first update on")
+    states = re.split(r"[\r\n]", captured.err)
+    shown = [state for state in states if re.search(r"\b[1-4]/4 \[", state)]  # tqdm redraws at most each 0.1 s
+    assert shown and all(re.search(r"\b[1-4]/4 \[[\d:]+<[\d:]+,", state) for state in shown), captured.err
