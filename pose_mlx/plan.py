@@ -27,6 +27,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shlex
 import shutil
 import socket
 import sys
@@ -70,6 +71,16 @@ class RunPlan:
     def example_length(self) -> int:
         """Tokens per training sequence: the target for full-length fine-tuning, else the window."""
         return self.target if self.settings.sampler == "full" else self.window
+
+    @property
+    def resume_command(self) -> str:
+        """The command line that continues this run once interrupted: its settings are in the run folder, so only
+        the output is named (and, for several ranks, how many to start again)."""
+        command = f"python -m pose_mlx.finetune --resume --output {shlex.quote(str(self.output))}"
+        if self.world.size == 1:
+            return command
+        return (f"python -m pose_mlx.launch -n {self.world.size} -- {command} (or the same mlx.launch command "
+                "with this one)")
 
     def fetch_weights(self) -> None:
         """The whole model (weights and tokenizer) in place of the config the plan was made from: a hub model or

@@ -121,3 +121,34 @@ def test_resume_acts_on_the_named_copy_not_on_the_folder_in_run_json(tiny_model,
     assert [r["step"] for r in log] == list(range(1, steps + 1))
     np.testing.assert_allclose([r["loss"] for r in log], reference, atol=1e-5, rtol=0)
     assert json.loads((backup / "run.json").read_text())["settings"]["output"] == str(backup)
+
+
+def test_ctrl_c_prints_the_command_that_continues_the_run(tiny_model, text_dir, tmp_path, monkeypatch, capsys):
+    """The stop line ends with the exact command line to paste (the output quoted for the shell: here it holds a
+    space), and running that command line finishes the run."""
+    import shlex
+
+    import pose_mlx.training.loop as loop
+    from pose_mlx import finetune
+
+    out = tmp_path / "my run"
+    append = loop.append_log
+
+    def ctrl_c_at_step_2(log, record):
+        append(log, record)
+        if record["step"] == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(loop, "append_log", ctrl_c_at_step_2)
+        code = finetune.main(["--model", str(tiny_model), "--target", "4x", "--data", str(text_dir), "--output",
+                              str(out), "--cache-dir", str(tmp_path / "cache"), "--window", "16", "--steps", "4",
+                              "--lr", "1e-3", "--warmup", "1", "--no-progress"])
+    assert code == 128 + signal.SIGINT
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    prefix = "pose_mlx.finetune: stopped: interrupted by SIGINT; checkpoint saved at step 2; to continue, run "
+    assert last == prefix + f"python -m pose_mlx.finetune --resume --output '{out}'"
+    command = shlex.split(last.removeprefix(prefix))
+    assert command[:3] == ["python", "-m", "pose_mlx.finetune"]
+    assert finetune.main(command[3:]) == 0, capsys.readouterr().err
+    assert [r["step"] for r in read_log(out / "train_log.jsonl")] == [1, 2, 3, 4]
