@@ -37,6 +37,7 @@ from pathlib import Path
 from . import memory
 from .errors import UserError, command
 from .evidence import pointer
+from .files import sibling
 from .lengths import parse_length
 from .model import source
 from .places import check_output
@@ -66,6 +67,7 @@ class RunPlan:
     lora: LoraSpec | None
     memory_plan: memory.Plan | None = None  # the predicted peak of a training step (None: --sampler none)
     lock: OutputLock | None = None
+    finished: bool = False  # a finished output trained longer: its run folder is made again from the output
 
     @property
     def example_length(self) -> int:
@@ -122,7 +124,7 @@ def make_plan(invocation: Invocation) -> RunPlan:
     label = Path(s.model.rstrip("/")).name.removesuffix(".gguf")  # the alias, the repo's or the folder's name
     output = Path(s.output).expanduser() if s.output else Path(f"{label}-{s.sampler}-{target}")
     plan = RunPlan(s, ref, config, original, target, window, output, run_folder(output), invocation.resume,
-                   invocation.overwrite, init_world(), lora, memory_plan)
+                   invocation.overwrite, init_world(), lora, memory_plan, finished=invocation.finished)
     _check_places(plan)
     _check_existing(plan)
     plan.world.barrier()  # every rank has checked the folders before rank 0 changes them
@@ -138,6 +140,8 @@ def make_plan(invocation: Invocation) -> RunPlan:
 def _claim_run_folder(plan: RunPlan) -> None:
     """A fresh run folder holding run.json, or (on --resume) the interrupted one if its rank count matches."""
     if plan.resume:
+        if plan.finished:
+            _reopen_run_folder(plan)
         ranks = saved_world_size(plan.partial)
         if ranks != plan.world.size:
             raise UserError(f"--resume: the interrupted run had {ranks} ranks (mlx.launch -n), this one has "
@@ -146,6 +150,19 @@ def _claim_run_folder(plan: RunPlan) -> None:
         shutil.rmtree(plan.partial, ignore_errors=True)
         plan.partial.mkdir(parents=True)
     save_run_file(plan.settings, plan.partial, plan.world.size)
+
+
+def _reopen_run_folder(plan: RunPlan) -> None:
+    """The run folder of a finished output, made again from what the output kept: run.json, the training log and
+    the last checkpoint (copies: the output stays whole until the longer run's export replaces it)."""
+    temporary = sibling(plan.partial, "reopen")
+    try:
+        shutil.copytree(plan.output / "checkpoint", temporary / "checkpoint")
+        shutil.copyfile(plan.output / RUN_FILE, temporary / RUN_FILE)
+        shutil.copyfile(plan.output / "train_log.jsonl", temporary / "log.jsonl")
+        temporary.rename(plan.partial)
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
 
 
 def _lengths(s: RunSettings, config: dict, ref: source.ModelRef) -> tuple[int, int, int | None]:
@@ -230,9 +247,7 @@ def _check_existing(plan: RunPlan) -> None:
     if output.exists() and not output.is_dir():
         raise UserError(f"--output {output} is a file; choose a folder name")
     if plan.resume:
-        if not partial.is_dir():
-            if output.is_dir() and (output / FINISHED_MARK).is_file():
-                raise UserError(f"output folder {output} is already complete; nothing to resume")
+        if not partial.is_dir() and not plan.finished:
             raise UserError(f"--resume: no unfinished run at {partial}")
         return
     if partial.exists() and not plan.overwrite:
@@ -309,7 +324,7 @@ def take_lock(output: Path) -> OutputLock:
 def _remove_leftovers(plan: RunPlan) -> None:
     """Temporary folders and files that a killed run on this output left behind (we hold the lock)."""
     parent = plan.output.parent
-    for pattern in (f".{plan.output.name}.export-*", f".{plan.output.name}.old-*"):
+    for pattern in (f".{plan.output.name}.export-*", f".{plan.output.name}.old-*", f".{plan.partial.name}.reopen-*"):
         for leftover in parent.glob(pattern):
             shutil.rmtree(leftover, ignore_errors=True)
     if plan.partial.is_dir():

@@ -183,10 +183,12 @@ class Invocation:
 
     settings: RunSettings
     resume: bool = setting(False, flags=(Flag("--resume", "continue the unfinished run of --output (its settings "
-                                              "are read from the run folder; no other flag is needed)", True),))
+                                              "are read from the run folder; no other flag is needed), or train a "
+                                              "finished LoRA run longer with a larger --steps", True),))
     overwrite: bool = setting(False, flags=(Flag("--overwrite", "replace an existing output folder / unfinished run "
                                                  "written by pose_mlx (never anything else)", True),))
     given: frozenset = frozenset()  # the settings given explicitly (flags or YAML)
+    finished: bool = False  # --resume of a finished output: trained longer from the checkpoint its folder kept
 
 
 def flags_of(f) -> tuple:

@@ -294,10 +294,10 @@ def parse_invocation(argv=None) -> Invocation:
     if resume and overwrite:
         raise UserError("--resume and --overwrite exclude each other")
     values = canonical_names({**from_yaml, **given})
-    settings = _resume_settings(values) if resume else RunSettings(**values)
+    settings, finished = _resume_settings(values) if resume else (RunSettings(**values), False)
     settings = _with_none_as_default(settings)
     validate(settings)
-    return Invocation(settings, resume, overwrite, frozenset(from_yaml) | frozenset(given))
+    return Invocation(settings, resume, overwrite, frozenset(from_yaml) | frozenset(given), finished)
 
 
 def canonical_names(values: dict) -> dict:
@@ -326,15 +326,15 @@ def run_folder(output: str | Path) -> Path:
     return output.with_name(output.name + ".partial")
 
 
-def _resume_settings(given: dict) -> RunSettings:
-    """The saved settings of the run at --output, with the given ones that may change applied."""
+def _resume_settings(given: dict) -> tuple[RunSettings, bool]:
+    """The saved settings of the run at --output, with the given ones that may change applied, and whether that run
+    is finished (its output complete: it is trained longer, `_finished_run`)."""
     if not given.get("output"):
         raise UserError("--resume needs --output (the folder the interrupted run was writing)")
     check_output("--output", given["output"])
     path = run_folder(given["output"]) / RUN_FILE
-    if not path.is_file() and (Path(given["output"]) / "pose_mlx.json").is_file():
-        raise UserError(f"output folder {given['output']} is already complete; nothing to resume")
-    saved = load_run_file(path)
+    finished = not path.is_file() and (Path(given["output"]) / "pose_mlx.json").is_file()
+    saved = load_run_file(_finished_run(Path(given["output"]), given.get("steps")) if finished else path)
     changed = {k: (getattr(saved, k), v) for k, v in given.items() if k != "output" and getattr(saved, k) != v}
     refused = {k: pair for k, pair in changed.items() if k not in ADJUSTABLE}
     if refused:
@@ -347,7 +347,25 @@ def _resume_settings(given: dict) -> RunSettings:
     # from elsewhere) run folder came from, and that one is never touched. Model and data stay as saved: they are
     # only read; so does the token cache, which is content-addressed (the same tokens wherever it lies).
     saved.output = given["output"]
-    return saved
+    return saved, finished
+
+
+def _finished_run(output: Path, steps: int | None) -> Path:
+    """The run.json of the finished run at `output`, which --resume trains on to `steps` from the checkpoint its
+    folder kept (LoRA runs keep their last one, `pose_mlx.model.export.export_run`); UserError when there is
+    nothing to continue: no checkpoint, or `steps` not above the steps trained."""
+    state = output / "checkpoint" / "state.json"
+    try:
+        trained = int(json.loads(state.read_text())["step"])
+    except FileNotFoundError:
+        raise UserError(f"output folder {output} is already complete and kept no checkpoint to train it longer "
+                        "from (only LoRA runs keep theirs); nothing to resume") from None
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        raise UserError(f"--resume: {state} is damaged; the output folder is complete, nothing to resume") from None
+    if steps is None or steps <= trained:
+        raise UserError(f"output folder {output} is already complete ({trained} steps); nothing to resume: pass "
+                        f"--steps above {trained} with --resume to train it longer")
+    return output / RUN_FILE
 
 
 def load_run_file(path: Path) -> RunSettings:
