@@ -365,7 +365,8 @@ def test_each_advice_variant_reads_as_a_sentence():
     plan = memory.plan_memory(arch, full, 10**15)
     assert [s["change"] for s in plan.suggestions] == [
         "gradient checkpointing (--grad-checkpoint)", "LoRA adapters instead of all weights (--lora)",
-        "a 4-bit quantized base with LoRA (mlx_lm.convert -q)", "a 4-bit base, LoRA and gradient checkpointing together"]
+        "a 4-bit quantized base with LoRA (mlx_lm.convert -q)",
+        "a 4-bit base, LoRA and gradient checkpointing together"]
     size = memory.format_size
     just = peak(grad_checkpoint=True)  # checkpointing alone fits, nothing else is tried first
     assert memory.plan_memory(arch, full, just).advice() == \
