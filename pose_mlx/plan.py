@@ -8,10 +8,10 @@ the config.json of a hub model) and every check that can be made before loading 
   the training `window` (default: original); target > original >= 2, 2 <= window <= target, chunks <= window;
 - the model: enough transformer blocks for `--lora-layers` (for a hub model or an alias only config.json is
   fetched: `RunPlan.fetch_weights` downloads the weights once every check below has passed);
-- the data: `--data` exists and holds a readable document (`training.reading.check_readable`);
 - memory: the predicted peak of a training step (`pose_mlx.memory`, from shapes and dtypes) must fit in
   `--max-memory` (default: the memory this machine offers), else a one-line refusal with the change that fits
   (`--force` runs anyway);
+- the data: `--data` exists and holds a readable document (`training.reading.check_readable`);
 - the output: `<output>` and its run folder `<output>.partial` may be written without destroying anything that
   pose_mlx did not write: never the model or data folder, a parent of them, or a folder inside the data (it would
   be read as training data); `--overwrite` only replaces folders that hold pose_mlx's own metadata;
@@ -81,8 +81,8 @@ class RunPlan:
         command = f"python -m pose_mlx.finetune --resume --output {shlex.quote(str(self.output))}"
         if self.world.size == 1:
             return command
-        return (f"python -m pose_mlx.launch -n {self.world.size} -- {command} (or the same mlx.launch command "
-                "with this one)")
+        return (f"python -m pose_mlx.launch -n {self.world.size} -- {command} (or this command under your mlx.launch "
+                f"line, as {self.world.size} ranks)")
 
     def fetch_weights(self) -> None:
         """The whole model (weights and tokenizer) in place of the config the plan was made from: a hub model or

@@ -387,3 +387,14 @@ def test_each_advice_variant_reads_as_a_sentence():
     assert str(refusal.value) == (f"this run needs about {size(peak())} at its peak, more than {size(just)}; with "
                                   f"gradient checkpointing (--grad-checkpoint) it needs about {size(just)}; or --force "
                                   "to try anyway")
+
+
+def test_the_resume_command_of_a_run_on_several_ranks_starts_as_many():
+    from types import SimpleNamespace
+
+    command = planner.RunPlan.resume_command.fget
+    assert command(SimpleNamespace(output=Path("runs/a b"), world=SimpleNamespace(size=1))) == \
+        "python -m pose_mlx.finetune --resume --output 'runs/a b'"
+    assert command(SimpleNamespace(output=Path("out"), world=SimpleNamespace(size=2))) == \
+        ("python -m pose_mlx.launch -n 2 -- python -m pose_mlx.finetune --resume --output out (or this command "
+         "under your mlx.launch line, as 2 ranks)")
