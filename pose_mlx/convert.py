@@ -10,8 +10,9 @@ the llama architecture (Llama, Mistral, SmolLM, ...) and qwen2, with F32/F16/BF1
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
-from .errors import ArgumentParser, command
+from .errors import ArgumentParser, UserError, command
 from .model.gguf import convert
 from .places import check_output
 
@@ -31,6 +32,8 @@ def build_parser() -> ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     check_output("OUT", args.out)
+    if Path(args.out).exists() and not args.overwrite:
+        raise UserError(f"{args.out} already exists; pass --overwrite to replace it")
 
     folder = convert(args.gguf, args.out, keep_quantized=args.keep_quantized, overwrite=args.overwrite)
     files = sorted(p.name for p in folder.iterdir())

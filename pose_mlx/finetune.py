@@ -2,9 +2,9 @@
 
 A run is a straight line:
 settings (`pose_mlx.settings`: flags, YAML or run.json, validated once)
--> plan (`pose_mlx.plan`: lengths and output folders resolved against the model's config before any weight is
-   read; the run folder claimed)
--> load (`pose_mlx.model.source`)
+-> plan (`pose_mlx.plan`: lengths, memory, data and output folders checked against the model's config before any
+   weight is downloaded or read; the run folder claimed)
+-> load (`pose_mlx.model.source`: a hub model's weights are downloaded here)
 -> extend (`pose_mlx.model.patch`: the frequency schedule, s = target / original; `--sampler plain` trains with
    the original frequencies and takes the schedule only after training)
 -> train (`pose_mlx.training.stage`: LoRA or all weights, position ids from the sampler)
@@ -21,6 +21,7 @@ import warnings
 from pathlib import Path
 
 from .errors import command
+from .evidence import pointer
 from .memory import format_size
 from .settings import parse_invocation
 
@@ -29,8 +30,9 @@ from .settings import parse_invocation
 
 
 def header(plan) -> str:
-    """What the run will do, in three lines, before anything is loaded: the model and its lengths; the schedule,
-    sampler, training mode, window and batch; the predicted peak memory and the output folder."""
+    """What the run will do, before anything is loaded: the model and its lengths; the schedule, sampler, training
+    mode, window and batch; what training costs (`cost`); the predicted peak memory and the output folder; and
+    what the project measured nearest this extension factor (`pose_mlx.evidence.pointer`)."""
     s = plan.settings
     model = s.model if s.model == plan.model.name else f"{s.model} ({plan.model.name})"
     lines = [f"model {model}: original {plan.original} -> target {plan.target} tokens "
@@ -46,13 +48,42 @@ def header(plan) -> str:
         schedule = f"{s.schedule} (at export)" if s.sampler == "plain" else s.schedule
         lines.append(f"schedule {schedule}, sampler {sampler}, {mode}, {plan.example_length}-token rows, "
                      f"{batch}{ranks}, {s.steps} steps at lr {s.lr:g}")
+        lines.append(cost(plan))
     peak = ""
     if plan.memory_plan is not None:
         m = plan.memory_plan
         peak = (f"predicted peak memory {format_size(m.estimate.peak)} of {format_size(m.available)}"
                 f"{'' if m.fits else ' (does NOT fit; --force)'}; ")
     lines.append(f"{peak}output {plan.output}")
+    lines.append(pointer(plan.target / plan.original))
     return "\n".join(lines)
+
+
+#: How the cost line names the device MLX trains on (`pose_mlx.memory.compute_backend`).
+DEVICES = {"cpu": "the CPU", "metal": "the GPU (Metal)", "cuda": "the GPU (CUDA)"}
+
+
+def cost(plan) -> str:
+    """One line: the updates to run x the target tokens of each (all ranks' rows, every micro-batch), the device,
+    and where the time left will show: no honest estimate exists before an update has been timed, and the
+    progress bar gives one from the first update on (that update also traces the compiled step)."""
+    s = plan.settings
+    done = _trained_steps(plan.partial) if plan.resume else 0
+    per_update = s.batch_size * plan.world.size * s.grad_accum * (plan.example_length - 1)
+    updates = f"{s.steps - done} updates ({done + 1}-{s.steps})" if done else f"{s.steps} updates"
+    device = DEVICES.get(plan.memory_plan.settings.backend, plan.memory_plan.settings.backend)
+    when = ("the progress bar shows the time left from the first update on" if s.progress
+            else f"each update's time goes to {plan.partial / 'log.jsonl'}")
+    return (f"training: {updates} x {per_update:,} tokens = {(s.steps - done) * per_update:,} tokens on {device}; "
+            f"{when}")
+
+
+def _trained_steps(partial: Path) -> int:
+    """The step of the run folder's last checkpoint (0 when it has none yet)."""
+    from .training.checkpoint import read_state
+
+    state = read_state(partial / "checkpoint", verify=False)
+    return int(state["step"]) if state else 0
 
 
 def run(args) -> Path:
@@ -66,10 +97,11 @@ def run(args) -> Path:
     from .training.lora import weights_writer
     from .training.stage import fine_tune
 
-    plan = make_plan(args)
+    plan = make_plan(args)  # every check that needs no weights: nothing but a config has been downloaded yet
     if plan.world.is_main:  # on stdout: stderr keeps its one line for bad input found later (data, disk)
         print(header(plan), flush=True)
     try:
+        plan.fetch_weights()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ScalingReplaced)
             model, tokenizer = load(plan.model, apply_schedule=False)

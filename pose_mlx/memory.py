@@ -765,14 +765,15 @@ class Plan:
         return self.estimate.peak <= self.available
 
     def advice(self) -> str:
-        """One line: the first change that fits, else the smallest predicted peak."""
+        """One clause: the first change that fits, else the one with the smallest predicted peak (each change is a
+        noun phrase: "with gradient checkpointing (--grad-checkpoint) it needs about 5 GiB")."""
         fitting = [s for s in self.suggestions if s["fits"]]
         if fitting:
-            return f"{fitting[0]['change']} (about {format_size(fitting[0]['peak_bytes'])})"
+            return f"with {fitting[0]['change']} it needs about {format_size(fitting[0]['peak_bytes'])}"
         if self.suggestions:
             best = min(self.suggestions, key=lambda s: s["peak_bytes"])
-            return f"even {best['change']} needs about {format_size(best['peak_bytes'])}"
-        return "no setting of this run fits"
+            return f"even with {best['change']} it needs about {format_size(best['peak_bytes'])}"
+        return "no change the planner knows of makes it fit"
 
     def as_dict(self) -> dict:
         return {**self.estimate.as_dict(), "available_bytes": self.available, "fits": self.fits,
@@ -809,13 +810,13 @@ def plan_memory(config: dict | Architecture, settings: TrainSettings, available:
     # in order of preference: the cheapest change to the run first
     options = []
     if not settings.grad_checkpoint:
-        options.append(("turn on gradient checkpointing (--grad-checkpoint)", arch, {"grad_checkpoint": True}))
+        options.append(("gradient checkpointing (--grad-checkpoint)", arch, {"grad_checkpoint": True}))
     if settings.batch_size > 1 and 1 <= largest_batch < settings.batch_size:
         accum = math.ceil(settings.batch_size * settings.grad_accum / largest_batch)
         options.append((f"--batch-size {largest_batch} --grad-accum {accum} (the same tokens per update)", arch,
                         {"batch_size": largest_batch, "grad_accum": accum}))
     if not settings.lora:
-        options.append(("train LoRA adapters instead of all weights (--lora)", arch, {"lora": True}))
+        options.append(("LoRA adapters instead of all weights (--lora)", arch, {"lora": True}))
     quantize = not arch.quant_bits and not arch.prequantized  # never advise quantizing quantized weights
     q4 = replace(arch, quant_bits=4, quant_group=64, loaded_bytes=None) if quantize else arch
     if quantize:
@@ -823,7 +824,7 @@ def plan_memory(config: dict | Architecture, settings: TrainSettings, available:
     if settings.sampler != "full" and 2 <= largest_window < settings.window:
         options.append((f"a shorter training window (--window {largest_window})", arch, {"window": largest_window}))
     if sum(1 for text, _, _ in options if "window" not in text and "batch" not in text) > 1:
-        options.append(("all of: " + ("a 4-bit base, " if quantize else "") + "LoRA and gradient checkpointing", q4,
+        options.append((("a 4-bit base, " if quantize else "") + "LoRA and gradient checkpointing together", q4,
                         {"lora": True, "grad_checkpoint": True}))
     suggestions = []
     for text, arch_, changes in options:

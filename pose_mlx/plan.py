@@ -6,10 +6,12 @@ the config.json of a hub model) and every check that can be made before loading 
 
 - lengths: `original` (settings, alias, or the config), `target` (the length grammar, `8x` = 8 * original),
   the training `window` (default: original); target > original >= 2, 2 <= window <= target, chunks <= window;
-- the model: enough transformer blocks for `--lora-layers`;
+- the model: enough transformer blocks for `--lora-layers` (for a hub model or an alias only config.json is
+  fetched: `RunPlan.fetch_weights` downloads the weights once every check below has passed);
 - memory: the predicted peak of a training step (`pose_mlx.memory`, from shapes and dtypes) must fit in
   `--max-memory` (default: the memory this machine offers), else a one-line refusal with the change that fits
   (`--force` runs anyway);
+- the data: `--data` exists and holds a readable document (`training.reading.check_readable`);
 - the output: `<output>` and its run folder `<output>.partial` may be written without destroying anything that
   pose_mlx did not write: never the model or data folder, a parent of them, or a folder inside the data (it would
   be read as training data); `--overwrite` only replaces folders that hold pose_mlx's own metadata;
@@ -25,6 +27,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shlex
 import shutil
 import socket
 import sys
@@ -33,6 +36,8 @@ from pathlib import Path
 
 from . import memory
 from .errors import UserError, command
+from .evidence import pointer
+from .files import sibling
 from .lengths import parse_length
 from .model import source
 from .places import check_output
@@ -40,6 +45,7 @@ from .settings import (RUN_FILE, Invocation, RunSettings, build_parser, parse_in
                        saved_world_size)
 from .training.distributed import World, init as init_world
 from .training.lora import LoraSpec
+from .training.reading import check_readable
 
 FINISHED_MARK = source.SCHEDULE_FILE  # a finished output holds pose_mlx.json
 UNFINISHED_MARK = RUN_FILE  # a run folder holds run.json
@@ -61,11 +67,27 @@ class RunPlan:
     lora: LoraSpec | None
     memory_plan: memory.Plan | None = None  # the predicted peak of a training step (None: --sampler none)
     lock: OutputLock | None = None
+    finished: bool = False  # a finished output trained longer: its run folder is made again from the output
 
     @property
     def example_length(self) -> int:
         """Tokens per training sequence: the target for full-length fine-tuning, else the window."""
         return self.target if self.settings.sampler == "full" else self.window
+
+    @property
+    def resume_command(self) -> str:
+        """The command line that continues this run once interrupted: its settings are in the run folder, so only
+        the output is named (and, for several ranks, how many to start again)."""
+        command = f"python -m pose_mlx.finetune --resume --output {shlex.quote(str(self.output))}"
+        if self.world.size == 1:
+            return command
+        return (f"python -m pose_mlx.launch -n {self.world.size} -- {command} (or this command under your mlx.launch "
+                f"line, as {self.world.size} ranks)")
+
+    def fetch_weights(self) -> None:
+        """The whole model (weights and tokenizer) in place of the config the plan was made from: a hub model or
+        an alias is downloaded now (a local folder or GGUF file is already whole)."""
+        self.model = source.resolve(self.settings.model)
 
     def release(self, failed: bool = False) -> None:
         """Give up the output's lock (a no-op for ranks other than 0 and after a release). After a failure, a run
@@ -79,11 +101,13 @@ class RunPlan:
 
 
 def make_plan(invocation: Invocation) -> RunPlan:
-    """Resolve and check everything about the run that needs no weights; takes the output's lock."""
+    """Resolve and check everything about the run that needs no weights (a hub model's or an alias's config.json
+    is all that is downloaded; `RunPlan.fetch_weights` gets the rest once the plan holds), including that --data
+    has a readable document; takes the output's lock."""
     s = invocation.settings
     if not s.target:
         raise UserError("--target is required (e.g. 32k or 8x)")
-    ref = source.resolve(s.model)
+    ref = source.resolve(s.model, weights=False)
     config = source.read_config(ref)
     original, window, target = _lengths(s, config, ref)
     if s.sampler != "none" and not s.data:
@@ -95,10 +119,12 @@ def make_plan(invocation: Invocation) -> RunPlan:
         raise UserError(f"--sampler pose-middle needs a window of at least 3 tokens (head, middle, tail), got {window}")
     lora = None if s.full or s.sampler == "none" else _lora_spec(s, config)
     memory_plan = memory.check_run(config, s, window, target, ref)
+    if s.sampler != "none":
+        check_readable(s.data)
     label = Path(s.model.rstrip("/")).name.removesuffix(".gguf")  # the alias, the repo's or the folder's name
     output = Path(s.output).expanduser() if s.output else Path(f"{label}-{s.sampler}-{target}")
     plan = RunPlan(s, ref, config, original, target, window, output, run_folder(output), invocation.resume,
-                   invocation.overwrite, init_world(), lora, memory_plan)
+                   invocation.overwrite, init_world(), lora, memory_plan, finished=invocation.finished)
     _check_places(plan)
     _check_existing(plan)
     plan.world.barrier()  # every rank has checked the folders before rank 0 changes them
@@ -114,6 +140,8 @@ def make_plan(invocation: Invocation) -> RunPlan:
 def _claim_run_folder(plan: RunPlan) -> None:
     """A fresh run folder holding run.json, or (on --resume) the interrupted one if its rank count matches."""
     if plan.resume:
+        if plan.finished:
+            _reopen_run_folder(plan)
         ranks = saved_world_size(plan.partial)
         if ranks != plan.world.size:
             raise UserError(f"--resume: the interrupted run had {ranks} ranks (mlx.launch -n), this one has "
@@ -122,6 +150,19 @@ def _claim_run_folder(plan: RunPlan) -> None:
         shutil.rmtree(plan.partial, ignore_errors=True)
         plan.partial.mkdir(parents=True)
     save_run_file(plan.settings, plan.partial, plan.world.size)
+
+
+def _reopen_run_folder(plan: RunPlan) -> None:
+    """The run folder of a finished output, made again from what the output kept: run.json, the training log and
+    the last checkpoint (copies: the output stays whole until the longer run's export replaces it)."""
+    temporary = sibling(plan.partial, "reopen")
+    try:
+        shutil.copytree(plan.output / "checkpoint", temporary / "checkpoint")
+        shutil.copyfile(plan.output / RUN_FILE, temporary / RUN_FILE)
+        shutil.copyfile(plan.output / "train_log.jsonl", temporary / "log.jsonl")
+        temporary.rename(plan.partial)
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
 
 
 def _lengths(s: RunSettings, config: dict, ref: source.ModelRef) -> tuple[int, int, int | None]:
@@ -206,9 +247,7 @@ def _check_existing(plan: RunPlan) -> None:
     if output.exists() and not output.is_dir():
         raise UserError(f"--output {output} is a file; choose a folder name")
     if plan.resume:
-        if not partial.is_dir():
-            if output.is_dir() and (output / FINISHED_MARK).is_file():
-                raise UserError(f"output folder {output} is already complete; nothing to resume")
+        if not partial.is_dir() and not plan.finished:
             raise UserError(f"--resume: no unfinished run at {partial}")
         return
     if partial.exists() and not plan.overwrite:
@@ -285,7 +324,7 @@ def take_lock(output: Path) -> OutputLock:
 def _remove_leftovers(plan: RunPlan) -> None:
     """Temporary folders and files that a killed run on this output left behind (we hold the lock)."""
     parent = plan.output.parent
-    for pattern in (f".{plan.output.name}.export-*", f".{plan.output.name}.old-*"):
+    for pattern in (f".{plan.output.name}.export-*", f".{plan.output.name}.old-*", f".{plan.partial.name}.reopen-*"):
         for leftover in parent.glob(pattern):
             shutil.rmtree(leftover, ignore_errors=True)
     if plan.partial.is_dir():
@@ -360,11 +399,20 @@ def render(plan: memory.Plan, arch: memory.Architecture, model: str, source: str
     return "\n".join(lines)
 
 
+#: The settings a plan depends on (`_lengths`, `memory.run_settings`, `memory.limit`): `plan --help` lists their flags.
+PLANNED = ("model", "target", "original", "window", "sampler", "full", "lora_rank", "lora_layers", "batch_size",
+           "grad_accum", "grad_checkpoint", "compile", "align_rows", "max_memory")
+
+
 def _parser():
-    parser = build_parser()
+    parser = build_parser(shown=PLANNED)
     parser.prog = "python -m pose_mlx.plan"
+    parser.usage = "%(prog)s --model MODEL [--target LENGTH] [options] [--json]"
     parser.description = ("Predict the peak memory of `python -m pose_mlx.finetune` with the same flags, from the\n"
-                          "model's configuration alone (nothing is loaded or trained; --data is not needed).")
+                          "model's configuration alone (nothing is loaded or trained; --data is not needed). Every\n"
+                          "flag of finetune is accepted, so a finetune command line plans as it is; the flags below\n"
+                          "are those that change the plan. Reference: docs/memory.md.")
+    parser.epilog = f"model aliases (--model NAME):\n{source.describe_aliases()}"
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return parser
 
@@ -395,6 +443,8 @@ def planned_run(argv) -> tuple[RunSettings, source.ModelRef, dict, memory.TrainS
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     s, ref, config, settings = planned_run(argv)
+    original, _, target = _lengths(s, config, ref)
+    evidence = pointer(target / original) if target else None  # what was measured nearest this factor
     arch = memory.loaded_architecture(config, ref, settings.backend)
     available, where = memory.limit(s)
     plan = memory.plan_memory(arch, settings, available)
@@ -402,11 +452,13 @@ def main(argv=None) -> int:
         record = {**plan.as_dict(), "available_source": where, "model": s.model, "backend": settings.backend,
                   "row_tokens": settings.row_tokens, "attention": plan.estimate.details["attention"],
                   "architecture": {k: v for k, v in asdict(arch).items() if k not in ("spec", "warnings")},
-                  "settings": asdict(settings), "warnings": list(arch.warnings)}
+                  "settings": asdict(settings), "warnings": list(arch.warnings), "evidence": evidence}
         print(json.dumps(record, indent=1))
     else:
         for warning in arch.warnings:
             print(f"warning: {warning}", file=sys.stderr)
+        if evidence:
+            print(evidence)
         print(render(plan, arch, s.model, where))
     return 0
 

@@ -1,19 +1,15 @@
 """The settings of one fine-tuning run: built once from flags and a YAML file (or, with `--resume`, from the run
 folder's run.json), type-checked and validated once, saved in run.json, read by every stage.
 
-Each setting is declared once, as a field of `RunSettings` whose `metadata` holds its flags (with their help),
-the other YAML names it is known by, and the rule its value obeys; the argparse flags, the `--help` text, the YAML
-keys accepted and the range checks of `validate` are generated from these declarations.
+Each setting is declared once, in `pose_mlx.setting_fields` (a field of `RunSettings` with its flags, help, YAML
+names and rule); the argparse flags, the `--help` text, the YAML keys accepted and the range checks of `validate`
+are generated here from these declarations, and the declarations' names are importable from here too.
 
 Sources, later ones winning: the defaults of `RunSettings`, the YAML file of `--config` (keys are the settings'
 names, the flags' names with `-` or `_`, or mlx-lm's names for the same things), the flags given on the command
 line. With `--resume`, run.json replaces the defaults and the YAML file, and a flag that would change the run's
 meaning is refused (only `ADJUSTABLE` settings may change; a new `--steps` stretches or shortens the linear decay
 of the learning rate from the step reached on).
-
-Vocabulary: the two context lengths are `original` (the window the model was pre-trained with) and `target`
-(the one it is extended to); `window` is the training window (default: original); `sampler` says how position ids
-are drawn (pose, pose-ref, randpos, full, none) and `schedule` how RoPE frequencies are scaled (linear, ntk, ...).
 """
 
 from __future__ import annotations
@@ -24,207 +20,26 @@ import json
 import math
 import re
 import sys
-from dataclasses import Field, asdict, dataclass, field, fields
+from dataclasses import Field, dataclass, fields
 from pathlib import Path
-from typing import Callable
 
 import yaml
 
 from .errors import ArgumentParser, UserError
 from .files import write_atomic
+from .lengths import parse_tokens, tokens
 from .memory import parse_size
 from .model.source import describe_aliases
 from .places import check_output
 from .rope import SCHEDULES, scaled_inv_freq, schedule_parameters
-from .training.positions import CONTENT, REFERENCE_SAMPLERS, SAMPLERS
+from .setting_fields import (ALIGN_ROWS, RUN_SAMPLERS, Flag, Invocation, Rule, RunSettings, flags_of, kind_of,
+                             setting)
 
-#: --sampler: the position samplers a run trains with, and `none` (no training: the schedule only).
-RUN_SAMPLERS = tuple(s for s in SAMPLERS if s not in REFERENCE_SAMPLERS) + ("none",)
 RUN_FILE = "run.json"
-ALIGN_ROWS = ("auto", "on", "off")
 #: Settings that may differ between a run and its --resume without changing what the run computes.
 ADJUSTABLE = ("steps", "progress", "save_every", "cache_dir", "max_memory", "force")
-
-
-# ------------------------------------------------------------------------------------- the declarations
-
-
-@dataclass(frozen=True)
-class Flag:
-    """One command-line flag of a setting: a flag that takes a value (`sets` is None), or a switch that sets the
-    setting to `sets` (True or False). `argparse`: extra keyword arguments of `add_argument` (metavar, choices)."""
-
-    option: str
-    help: str
-    sets: bool | None = None
-    argparse: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Rule:
-    """What a setting's value must satisfy: `holds(value)`, else the UserError `message` formatted with the flag
-    and the value. None is always allowed (it stands for the default)."""
-
-    holds: Callable
-    message: str
-
-
-def between(low, high) -> Rule:
-    """low <= value <= high."""
-    return Rule(lambda v: low <= v <= high, f"{{flag}} must be between {low} and {high}, got {{value}}")
-
-
-POSITIVE = Rule(lambda v: math.isfinite(v) and v > 0, "{flag} must be a finite number > 0, got {value}")
-
-
-def one_of(choices: tuple) -> Rule:
-    return Rule(lambda v: v in choices, f"{{flag}} {{value!r}} is not one of {', '.join(choices)}")
-
-
-def setting(default, help: str | None = None, *, flags: tuple = (), rule: Rule | None = None, aliases: tuple = (),
-            deprecated: tuple = (), **argparse_options):
-    """A `RunSettings` field: `default`; one flag `--<name>` with `help` (and the `argparse_options`), or the
-    `flags` given; the value's `rule`; `aliases`, other YAML keys for it (mlx-lm's names); `deprecated`, older
-    names still accepted with a warning (flags when they start with --, else YAML keys only)."""
-    factory = {"default_factory": default} if callable(default) else {"default": default}
-    meta = {"help": help, "flags": flags, "argparse": argparse_options, "rule": rule, "aliases": aliases,
-            "deprecated": deprecated}
-    return field(**factory, metadata=meta)
-
-
-@dataclass
-class RunSettings:
-    """Every setting of a fine-tuning run; the field names are the flags' names (see `setting`)."""
-
-    model: str | None = setting(
-        None, "local mlx-lm/HF model folder, .gguf file, Hugging Face hub id, or an alias listed below")
-    target: str | None = setting(
-        None, "target context length: 32768, 32k, 32K, 1.5k (k = 1024) or 8x (times --original)")
-    original: int | None = setting(
-        None, "the model's original (pre-training) window (default: the alias's window, else the config's "
-              "rope_scaling.original_max_position_embeddings, else its max_position_embeddings)",
-        rule=between(2, 1 << 24))
-    window: int | None = setting(None, "training window in tokens (default: --original)", rule=between(2, 1 << 24),
-                                 aliases=("max_seq_length",))
-    schedule: str = setting(
-        "linear", f"RoPE frequency schedule: {', '.join(SCHEDULES)} (default linear = Position Interpolation, as in "
-                  "the paper)", deprecated=("--scaling",))
-    schedule_params: dict = setting(
-        dict, flags=(Flag("--schedule-param", "schedule parameter KEY=VALUE, repeatable, e.g. beta_fast=32, "
-                      "blend=wavelength, beta=500000 (the keys of each schedule are listed below); --schedule yarn "
-                      "with attention_factor=1 keeps YaRN's frequencies without its attention temperature (training-"
-                      "free it kept in-window retrieval where full YaRN lost it; after PoSE fine-tuning of "
-                      "SmolLM2-135M it kept no more, 29/30 at 4k as with full YaRN, and cost 32k retrieval and "
-                      "perplexity: 17/24 and 6.31 against 20/24 and 5.55; docs/finetune.md)",
-                      argparse={"action": "append", "metavar": "KEY=VALUE"}),),
-        deprecated=("--scaling-param", "scaling_params"))
-    sampler: str = setting(
-        "pose", "how position ids are drawn: pose (the paper), pose-ref (the authors' code), pose-middle (CREAM-style: "
-                "head at 0, tail at the end of the target window, middle placed by a truncated Gaussian around the "
-                "middle; trains both ends and the middle distances more, the other distances less than pose; on "
-                "SmolLM2-135M it did not beat pose: 32k passkey 5/10 against 8/10 in a screening), "
-                "randpos, full (full-length fine-tuning at the target), plain (ordinary fine-tuning: positions "
-                "0..window-1 with the original RoPE, the --schedule applied only at export; the control that gets "
-                "PoSE's adaptation without its positions), none (schedule only: extend and export, no training)",
-        rule=one_of(RUN_SAMPLERS), deprecated=("--method",))
-    chunks: int = setting(2, "number of PoSE chunks N (default 2)", rule=between(1, 1 << 24))
-    content: str = setting("uniform", "PoSE content offsets v_i: uniform (paper), zero (v_i = 0), aligned (v_i = u_i)",
-                           rule=one_of(CONTENT))
-    short_share: float = setting(
-        0.0, "mixed-window training (LongRoPE2): this fraction F of the training rows (0 <= F < 1, default 0) read "
-             "positions 0..window-1 with the model's original RoPE (attention factor 1), the rest come from "
-             "--sampler with the --schedule; meant to keep short-context skills. Costs: only 1 - F of the tokens "
-             "train the long positions (raise --steps by 1/(1 - F) for the same long-context training); the same "
-             "memory (same row length); the exported model uses the schedule everywhere. On SmolLM2-135M F = 0.25 "
-             "kept no more at 4k than F = 0 (8/10 in a screening; docs/finetune.md)",
-        rule=Rule(lambda v: 0 <= v < 1, "{flag} must be a fraction in [0, 1), got {value!r}"), metavar="F")
-    full: bool = setting(False, flags=(Flag("--lora", "train LoRA adapters (default; works on quantized bases)", False),
-                                       Flag("--full", "train all weights", True)))
-    lora_rank: int = setting(8, "LoRA rank r (default 8)", rule=between(1, 1 << 16))
-    lora_layers: int = setting(
-        -1, "LoRA in the last N transformer blocks (default -1: all)",
-        rule=Rule(lambda v: v >= 1 or v == -1, "{flag} must be >= 1, or -1 for all blocks; got {value}"),
-        aliases=("num_layers",))
-    lora_scale: float = setting(20.0, "LoRA output scale (mlx-lm's 'scale', default 20)", rule=POSITIVE)
-    fuse: bool = setting(True, flags=(Flag("--no-fuse", "keep LoRA adapters separate (adapters.safetensors) instead "
-                                                        "of fusing them into the weights", False),))
-    lr: float = setting(2e-5, "peak learning rate of AdamW (default 2e-5)", rule=POSITIVE, aliases=("learning_rate",))
-    steps: int = setting(1000, "optimizer updates (default 1000); with --resume it may be changed, e.g. raised to "
-                               "train longer", rule=between(1, 10**9), aliases=("iters",))
-    batch_size: int = setting(1, "sequences per micro-batch (per rank under mlx.launch; default 1)",
-                              rule=between(1, 1 << 16))
-    grad_accum: int = setting(1, "micro-batches per update (default 1)", rule=between(1, 1 << 16),
-                              aliases=("grad_accumulation_steps",))
-    warmup: int = setting(10, "linear warm-up updates, then linear decay to 0 (default 10)", rule=between(0, 10**9))
-    max_grad_norm: float = setting(1.0, "clip the global gradient norm (default 1.0)", rule=POSITIVE)
-    loss_scale: float | None = setting(
-        None, "multiply the loss by this before the backward pass and divide the gradients by it after, so that "
-              "float16 gradients keep their digits (default: 4096 for a model that computes in float16, as a GGUF "
-              "file does on a GPU, else 1); costs nothing. Lower it if a float16 run stops with a non-finite "
-              "gradient norm",
-        rule=Rule(lambda v: math.isfinite(v) and v >= 1, "{flag} must be a finite number >= 1, got {value}"))
-    grad_checkpoint: bool = setting(False, flags=(Flag(
-        "--grad-checkpoint", "recompute block activations in the backward pass: slower (a second forward of each "
-        "block), the memory saved depends on the run (Llama-2-7B LoRA at a 4k window: 94 -> 24 GiB on the CPU, 97 "
-        "-> 32 GiB on a GPU; `python -m pose_mlx.plan` predicts yours)", True),))
-    compile: bool = setting(True, flags=(Flag("--no-compile", "run the training step eagerly instead of under "
-                                                              "mx.compile (same math)", False),))
-    align_rows: str = setting(
-        "auto", "pad every training row with masked tokens to a multiple of 128 inputs, the query length for which "
-                "MLX's CUDA attention differentiates through cuDNN's fused kernel instead of recomputing the score "
-                "matrices: auto (default: on with CUDA, off on Metal and the CPU, which train with the unfused "
-                "attention), on, off. Costs the padding's compute (up to 127 positions per row; 1 with the default "
-                "window of a power of two); the loss and its gradient are unchanged",
-        rule=one_of(ALIGN_ROWS), choices=ALIGN_ROWS)
-    data: str | None = setting(None, "text file, folder of .txt/.md/.py/.jsonl files (mlx-lm's train/valid/test.jsonl "
-                                     "layout included), or a hub dataset repo")
-    min_length: int | None = setting(
-        None, "skip documents shorter than this many tokens (default: the window; the target for --sampler full)",
-        rule=between(1, 1 << 31))
-    cache_dir: str = setting("~/.cache/pose_mlx/tokens",
-                             "where tokenized corpora are cached (default ~/.cache/pose_mlx/tokens)")
-    heldout: float = setting(
-        0.05, "fraction of documents held out for --eval-every when the data has no valid.jsonl (default 0.05)",
-        rule=Rule(lambda v: 0 < v < 1, "{flag} must be between 0 and 1 (a fraction of the documents), got {value}"))
-    eval_every: int = setting(0, "evaluate the held-out loss every N steps (0: never)", rule=between(0, 10**9),
-                              aliases=("steps_per_eval",))
-    eval_batches: int = setting(8, "held-out batches per evaluation (default 8)", rule=between(1, 1 << 20),
-                                aliases=("val_batches",))
-    seed: int = setting(0, "seed of data sampling and LoRA initialisation (default 0)", rule=between(0, 2**32 - 1))
-    output: str | None = setting(None, "output model folder (default: <model name>-<sampler>-<target>)")
-    save_every: int = setting(100, "checkpoint every N steps (default 100; 0: only at the end and on "
-                                   "Ctrl-C/SIGTERM)", rule=between(0, 10**9))
-    progress: bool = setting(True, flags=(Flag("--no-progress", "no progress bar", False),))
-    max_memory: str | None = setting(None, "refuse to start when the predicted peak memory exceeds this (e.g. 48GB, "
-                                           "16GiB; default: the memory available on this machine)")
-    force: bool = setting(False, flags=(Flag("--force", "start even when the predicted peak memory exceeds "
-                                                        "--max-memory", True),))
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-
-@dataclass
-class Invocation:
-    """What one command line asks for: the run's settings and what to do with an existing run folder."""
-
-    settings: RunSettings
-    resume: bool = setting(False, flags=(Flag("--resume", "continue the unfinished run of --output (its settings "
-                                              "are read from the run folder; no other flag is needed)", True),))
-    overwrite: bool = setting(False, flags=(Flag("--overwrite", "replace an existing output folder / unfinished run "
-                                                 "written by pose_mlx (never anything else)", True),))
-    given: frozenset = frozenset()  # the settings given explicitly (flags or YAML)
-
-
-def flags_of(f) -> tuple:
-    """The flags of field `f`: the ones declared, else `--<name>` taking a value, with the field's help."""
-    meta = f.metadata
-    return meta["flags"] or (Flag("--" + f.name.replace("_", "-"), meta["help"], None, meta["argparse"]),)
-
-
-def kind_of(f) -> type:
-    """The Python type of field `f` from its annotation ("int | None" -> int)."""
-    return {"int": int, "float": float, "bool": bool, "str": str, "dict": dict}[f.type.split(" |")[0]]
+#: The default --schedule until yarn became the default: what a run whose run.json names none was trained with.
+SCHEDULE_BEFORE_YARN = "linear"
 
 
 def _deprecated_flags() -> dict:
@@ -249,43 +64,57 @@ def _schedule_help() -> str:
     return "\n".join(lines)
 
 
-def _add_flags(parser: argparse.ArgumentParser, f) -> None:
-    """The flags of field `f`: a value flag typed by the annotation; switches (exclusive when several)."""
+def _add_flags(parser: argparse.ArgumentParser, f, shown: bool = True) -> None:
+    """The flags of field `f`: a value flag typed by the annotation (`tokens` for a count of tokens) and named by
+    its kind (N, X, TEXT) unless it declares a metavar or choices; switches (exclusive when several); left out of
+    --help unless `shown`."""
     declared = flags_of(f)
     group = parser.add_mutually_exclusive_group() if len(declared) > 1 else parser
     for flag in declared:
+        text = flag.help if shown else argparse.SUPPRESS
         if flag.sets is not None:
-            group.add_argument(flag.option, dest=f.name, action=f"store_{str(flag.sets).lower()}", help=flag.help)
+            group.add_argument(flag.option, dest=f.name, action=f"store_{str(flag.sets).lower()}", help=text)
             continue
         kind = kind_of(f)
-        typed = {"type": kind} if kind in (int, float) else {}
-        group.add_argument(flag.option, dest=f.name, help=flag.help, **typed, **flag.argparse)
+        typed = {"type": tokens} if f.metadata["tokens"] else {"type": kind} if kind in (int, float) else {}
+        shape = {} if "choices" in flag.argparse else {"metavar": {int: "N", float: "X", str: "TEXT"}.get(kind)}
+        group.add_argument(flag.option, dest=f.name, help=text, **typed, **{**shape, **flag.argparse})
 
 
 def _deprecated_dest(old: str) -> str:
     return "deprecated" + old.replace("-", "_")
 
 
-def build_parser() -> argparse.ArgumentParser:
+#: finetune's usage line: the flags a run needs (argparse's `required` cannot say it: they may come from --config,
+#: or from the run folder with --resume).
+USAGE = """%(prog)s --model MODEL --target LENGTH --data PATH [options]
+       %(prog)s --config FILE [options]
+       %(prog)s --resume --output DIR [--steps N]"""
+
+
+def build_parser(shown: tuple | None = None) -> argparse.ArgumentParser:
     """The flags of `python -m pose_mlx.finetune` (and of `python -m pose_mlx.plan`, which takes the same): one per
-    field of `RunSettings` (the run-folder flags of `Invocation` after --output, which they act on)."""
+    field of `RunSettings` (the run-folder flags of `Invocation` after --output, which they act on). `shown`: the
+    names of the fields whose flags --help lists (default: all); the others are accepted all the same."""
     deprecated = ", ".join(f"{old} = {new.option}" for old, (_, new) in _deprecated_flags().items())
     p = ArgumentParser(
-        prog="python -m pose_mlx.finetune", argument_default=argparse.SUPPRESS,
+        prog="python -m pose_mlx.finetune", argument_default=argparse.SUPPRESS, usage=USAGE,
         description="Extend the context window of a RoPE language model with PoSE (positional skip-wise\n"
-                    "training) or a baseline, and export a standard mlx-lm model folder.",
+                    "training) or a baseline, and export a standard mlx-lm model folder. --model, --target and\n"
+                    "--data are required, on the command line or in --config. Reference, recipes and what was\n"
+                    "measured: docs/finetune.md.",
         epilog=f"model aliases (--model NAME):\n{describe_aliases()}\n\n"
                f"schedules (--schedule NAME) and their --schedule-param keys with defaults:\n{_schedule_help()}\n\n"
                f"deprecated flags (still accepted): {deprecated}",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="YAML file with any of these settings as keys (flag names with - or _, or "
-                                    "mlx-lm's keys); flags given on the command line win")
+    p.add_argument("--config", metavar="FILE", help="YAML file with any of these settings as keys (flag names with "
+                                                    "- or _, or mlx-lm's keys); flags given on the command line win")
     run_folder_fields = [f for f in fields(Invocation) if f.metadata.get("flags")]
     for f in fields(RunSettings):
-        _add_flags(p, f)
+        _add_flags(p, f, shown is None or f.name in shown)
         if f.name == "output":
             for g in run_folder_fields:
-                _add_flags(p, g)
+                _add_flags(p, g, shown is None or g.name in shown)
     for old, (f, new) in _deprecated_flags().items():
         p.add_argument(old, dest=_deprecated_dest(old), help=argparse.SUPPRESS,
                        **{k: v for k, v in new.argparse.items() if k == "action"})
@@ -368,6 +197,11 @@ def read_yaml(path) -> dict:
         data = yaml.load(Path(path).read_text(encoding="utf-8"), Loader=_Loader)
     except FileNotFoundError:
         raise UserError(f"--config {path}: no such file") from None
+    except yaml.MarkedYAMLError as error:  # where the parser stopped, as editors and compilers say it
+        mark = error.problem_mark or error.context_mark
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+        problem = error.problem or error.context or error.__class__.__name__
+        raise UserError(f"--config {path}{where}: not valid YAML: {problem}") from None
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
         raise UserError(f"--config {path}: cannot read it ({error.__class__.__name__})") from None
     if data is None:
@@ -426,6 +260,8 @@ def _yaml_entry(path, key: str, value, names: dict) -> dict:
         if not isinstance(value, dict):
             raise UserError(f"--config {path}: {key} must be a mapping such as {{beta_fast: 32}}")
         return {f.name: value}
+    if f.metadata["tokens"] and isinstance(value, str):  # 8k, as on the command line
+        return {f.name: parse_tokens(value, f"--config {path}: {key}")}
     return {f.name: _check_type(path, key, value, kind_of(f))}
 
 
@@ -457,13 +293,22 @@ def parse_invocation(argv=None) -> Invocation:
     overwrite = bool(given.pop("overwrite", from_yaml.pop("overwrite", False)))
     if resume and overwrite:
         raise UserError("--resume and --overwrite exclude each other")
-    if resume:
-        settings = _resume_settings({**from_yaml, **given})
-    else:
-        settings = RunSettings(**{**from_yaml, **given})
+    values = canonical_names({**from_yaml, **given})
+    settings, finished = _resume_settings(values) if resume else (RunSettings(**values), False)
     settings = _with_none_as_default(settings)
     validate(settings)
-    return Invocation(settings, resume, overwrite, frozenset(from_yaml) | frozenset(given))
+    return Invocation(settings, resume, overwrite, frozenset(from_yaml) | frozenset(given), finished)
+
+
+def canonical_names(values: dict) -> dict:
+    """`values` ({setting: value}) with a name given in another case ('YaRN') replaced by the choice it names
+    ('yarn'), for every setting whose rule has choices (--schedule, --sampler, --content, --align-rows)."""
+    out = dict(values)
+    for f in fields(RunSettings):
+        rule, value = f.metadata["rule"], out.get(f.name)
+        if rule is not None and isinstance(value, str) and value.lower() in rule.choices:
+            out[f.name] = value.lower()
+    return out
 
 
 def _with_none_as_default(settings: RunSettings) -> RunSettings:
@@ -481,15 +326,15 @@ def run_folder(output: str | Path) -> Path:
     return output.with_name(output.name + ".partial")
 
 
-def _resume_settings(given: dict) -> RunSettings:
-    """The saved settings of the run at --output, with the given ones that may change applied."""
+def _resume_settings(given: dict) -> tuple[RunSettings, bool]:
+    """The saved settings of the run at --output, with the given ones that may change applied, and whether that run
+    is finished (its output complete: it is trained longer, `_finished_run`)."""
     if not given.get("output"):
         raise UserError("--resume needs --output (the folder the interrupted run was writing)")
     check_output("--output", given["output"])
     path = run_folder(given["output"]) / RUN_FILE
-    if not path.is_file() and (Path(given["output"]) / "pose_mlx.json").is_file():
-        raise UserError(f"output folder {given['output']} is already complete; nothing to resume")
-    saved = load_run_file(path)
+    finished = not path.is_file() and (Path(given["output"]) / "pose_mlx.json").is_file()
+    saved = load_run_file(_finished_run(Path(given["output"]), given.get("steps")) if finished else path)
     changed = {k: (getattr(saved, k), v) for k, v in given.items() if k != "output" and getattr(saved, k) != v}
     refused = {k: pair for k, pair in changed.items() if k not in ADJUSTABLE}
     if refused:
@@ -502,7 +347,25 @@ def _resume_settings(given: dict) -> RunSettings:
     # from elsewhere) run folder came from, and that one is never touched. Model and data stay as saved: they are
     # only read; so does the token cache, which is content-addressed (the same tokens wherever it lies).
     saved.output = given["output"]
-    return saved
+    return saved, finished
+
+
+def _finished_run(output: Path, steps: int | None) -> Path:
+    """The run.json of the finished run at `output`, which --resume trains on to `steps` from the checkpoint its
+    folder kept (LoRA runs keep their last one, `pose_mlx.model.export.export_run`); UserError when there is
+    nothing to continue: no checkpoint, or `steps` not above the steps trained."""
+    state = output / "checkpoint" / "state.json"
+    try:
+        trained = int(json.loads(state.read_text())["step"])
+    except FileNotFoundError:
+        raise UserError(f"output folder {output} is already complete and kept no checkpoint to train it longer "
+                        "from (only LoRA runs keep theirs); nothing to resume") from None
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        raise UserError(f"--resume: {state} is damaged; the output folder is complete, nothing to resume") from None
+    if steps is None or steps <= trained:
+        raise UserError(f"output folder {output} is already complete ({trained} steps); nothing to resume: pass "
+                        f"--steps above {trained} with --resume to train it longer")
+    return output / RUN_FILE
 
 
 def load_run_file(path: Path) -> RunSettings:
@@ -518,7 +381,7 @@ def load_run_file(path: Path) -> RunSettings:
     if not isinstance(values, dict):
         raise UserError(f"--resume: {path} does not hold a run's settings; start over with --overwrite")
     names = _names()
-    out = {}
+    out = {"schedule": SCHEDULE_BEFORE_YARN}  # a run.json that names no schedule was trained with this one
     for key, value in values.items():
         if key not in names:
             continue
@@ -553,17 +416,16 @@ def validate(s: RunSettings) -> None:
     for f in fields(RunSettings):
         rule, value = f.metadata["rule"], getattr(s, f.name)
         if rule is not None and value is not None and not rule.holds(value):
-            raise UserError(rule.message.format(flag=flags_of(f)[0].option, value=value))
+            raise UserError(rule.refusal(flags_of(f)[0].option, value))
     if not s.model:
         raise UserError("--model is required (a folder, a .gguf file, a hub id or an alias)")
     if s.short_share and s.sampler in ("full", "plain", "none"):
         raise UserError(f"--short-share mixes short rows into a sampler that skips positions; --sampler "
                         f"{s.sampler} has none to mix with")
-    if s.schedule not in SCHEDULES:
-        close = difflib.get_close_matches(s.schedule, SCHEDULES, n=1)
-        raise UserError(f"--schedule {s.schedule!r} is not a known schedule"
-                        + (f"; did you mean '{close[0]}'?" if close else f" ({', '.join(SCHEDULES)})"))
     if s.max_memory is not None:
+        if re.fullmatch(r"\s*\d+(\.\d+)?\s*", str(s.max_memory)):  # 8 GB or 8 bytes? ask, do not guess
+            raise UserError(f"--max-memory {str(s.max_memory).strip()} has no unit: write e.g. "
+                            f"{str(s.max_memory).strip()}G (units K, M, G, T are binary; B for bytes)")
         parse_size(s.max_memory)
     params = dict(s.schedule_params)
     factor = params.pop("factor", 2.0)
@@ -576,5 +438,6 @@ def validate(s: RunSettings) -> None:
 
 
 __all__ = ["ADJUSTABLE", "ALIGN_ROWS", "Flag", "Invocation", "RUN_FILE", "RUN_SAMPLERS", "Rule", "RunSettings",
-           "build_parser", "flags_of", "load_run_file", "parse_invocation", "parse_param", "read_yaml", "run_folder",
-           "save_run_file", "saved_world_size", "setting", "validate"]
+           "SCHEDULE_BEFORE_YARN", "USAGE", "build_parser", "canonical_names", "flags_of", "load_run_file",
+           "parse_invocation", "parse_param", "read_yaml", "run_folder", "save_run_file", "saved_world_size", "setting",
+           "validate"]

@@ -166,7 +166,7 @@ def test_writer_streams_in_chunks(tmp_path):
 
 def test_tokenize_corpus_streams(tmp_path, monkeypatch):
     """tokenize_corpus pulls documents lazily from the reader and writes them in small chunks."""
-    import pose_mlx.training.data as data
+    import pose_mlx.training.token_cache as token_cache
 
     pulled, flushed_at = [], []
     original_flush = TokenWriter.flush
@@ -182,7 +182,7 @@ def test_tokenize_corpus_streams(tmp_path, monkeypatch):
             flushed_at.append(len(pulled))
         original_flush(self)
 
-    monkeypatch.setattr(data, "read_files", lazy_docs)
+    monkeypatch.setattr(token_cache, "read_files", lazy_docs)
     monkeypatch.setattr(TokenWriter, "flush", spy_flush)
     (tmp_path / "x.txt").write_text("placeholder")
     corpus = tokenize_corpus(tmp_path / "x.txt", ByteTokenizer(), tmp_path / "cache", 1, progress=False,

@@ -27,7 +27,8 @@ def _logits(model, ids):
 
 
 def test_end_to_end_8x_lora(tiny_model, text_dir, tmp_path, capsys):
-    """Train 4 LoRA steps at 8x; the output is a plain mlx-lm folder that generates and knows its schedule."""
+    """Train 4 LoRA steps at 8x with the default schedule (YaRN); the output is a plain mlx-lm folder that generates
+    and knows its schedule."""
     out = tmp_path / "out"
     code, err = run_cli(capsys, "--model", tiny_model, "--target", "8x", "--data", text_dir, "--output", out,
                         "--cache-dir", tmp_path / "cache", *FAST)
@@ -35,11 +36,11 @@ def test_end_to_end_8x_lora(tiny_model, text_dir, tmp_path, capsys):
     assert not (tmp_path / "out.partial").exists()
     config = json.loads((out / "config.json").read_text())
     assert config["max_position_embeddings"] == 8 * ORIGINAL
-    assert config["rope_scaling"] == {"rope_type": "linear", "factor": 8.0}
+    assert (config["rope_scaling"]["rope_type"], config["rope_scaling"]["factor"]) == ("yarn", 8.0)
     record = json.loads((out / "pose_mlx.json").read_text())
     assert (record["original"], record["target"], record["window"]) == (ORIGINAL, 8 * ORIGINAL, 16)
     assert (record["sampler"], record["steps"]) == ("pose", 4)
-    assert record["schedule"]["schedule"] == "linear" and record["data_fingerprint"]
+    assert record["schedule"]["schedule"] == "yarn" and record["mlx_lm_exact"] and record["data_fingerprint"]
     log = read_log(out / "train_log.jsonl")
     assert [r["step"] for r in log] == [1, 2, 3, 4]
     assert all(math.isfinite(r["loss"]) and r["tokens"] == 15 and r["peak_memory_gb"] > 0 for r in log)
@@ -308,8 +309,9 @@ def test_max_memory_refuses_before_loading_and_force_overrides(tiny_model, text_
 def test_header_before_loading(tiny_model, text_dir, tmp_path, capsys, monkeypatch):
     """The header names the run before a weight is read (a load that fails still shows it): lengths, schedule,
     sampler, LoRA, rows and batch, and the same predicted peak that `python -m pose_mlx.plan` gives."""
-    from pose_mlx import memory, plan
+    from pose_mlx import finetune, memory, plan
     from pose_mlx.errors import UserError
+    from pose_mlx.evidence import pointer
     from pose_mlx.model import source
 
     def failing_load(*args, **kwargs):
@@ -323,10 +325,15 @@ def test_header_before_loading(tiny_model, text_dir, tmp_path, capsys, monkeypat
     assert code == 2
     assert captured.err.strip() == "pose_mlx.finetune: error: load refused by the test"  # stderr: the one line
     head = captured.out
-    assert len(head.strip().splitlines()) == 3
-    assert f"original {ORIGINAL} -> target {8 * ORIGINAL} tokens (8x)" in head
-    assert "schedule yarn, sampler pose (2 chunks), LoRA rank 8 on 2 blocks, 16-token rows, batch 3" in head
-    assert "7 steps at lr 2e-05" in head and f"output {tmp_path / 'out'}" in head
+    lines = head.strip().splitlines()
+    assert len(lines) == 5
+    assert f"original {ORIGINAL} -> target {8 * ORIGINAL} tokens (8x)" in lines[0]
+    assert "schedule yarn, sampler pose (2 chunks), LoRA rank 8 on 2 blocks, 16-token rows, batch 3" in lines[1]
+    assert "7 steps at lr 2e-05" in lines[1] and f"output {tmp_path / 'out'}" in lines[3]
+    device = finetune.DEVICES[memory.compute_backend()]
+    assert lines[2] == (f"training: 7 updates x 45 tokens = 315 tokens on {device}; each update's time goes to "
+                        f"{tmp_path / 'out.partial' / 'log.jsonl'}")  # 3 rows of 15 targets an update
+    assert lines[4] == pointer(8.0) and lines[4].endswith("docs/evidence.md")
     assert plan.main([str(a) for a in flags] + ["--json"]) == 0
     predicted = json.loads(capsys.readouterr().out)
     assert predicted["peak_bytes"] > 0
@@ -335,7 +342,7 @@ def test_header_before_loading(tiny_model, text_dir, tmp_path, capsys, monkeypat
 
 
 def test_header_then_progress_then_summary(tiny_model, text_dir, tmp_path, capsys):
-    """A whole run prints the header (three lines on stdout) before anything else, the summary line last (on
+    """A whole run prints the header (five lines on stdout) before anything else, the summary line last (on
     stderr, as the progress bar)."""
     out = tmp_path / "out"
     code = main([str(a) for a in ["--model", tiny_model, "--target", "4x", "--data", text_dir, "--output", out,
@@ -343,9 +350,11 @@ def test_header_then_progress_then_summary(tiny_model, text_dir, tmp_path, capsy
     captured = capsys.readouterr()
     assert code == 0, captured.err
     lines = captured.out.strip().splitlines()
-    assert len(lines) == 3 and lines[0].startswith(f"model {tiny_model}: original {ORIGINAL} -> target {4 * ORIGINAL}")
+    assert len(lines) == 5 and lines[0].startswith(f"model {tiny_model}: original {ORIGINAL} -> target {4 * ORIGINAL}")
     assert "full fine-tuning, 16-token rows, batch 1, 4 steps" in lines[1]
-    assert lines[2].startswith("predicted peak memory ") and lines[2].endswith(f"output {out}")
+    assert lines[2].startswith("training: 4 updates x 15 tokens = 60 tokens on ")
+    assert lines[3].startswith("predicted peak memory ") and lines[3].endswith(f"output {out}")
+    assert lines[4].startswith("evidence: at 4x (")
     summary = captured.err.strip().splitlines()[-1]
     assert summary.startswith("trained 4 steps") and summary.endswith(f"wrote {out}")
 
@@ -391,3 +400,22 @@ def test_every_setting_has_a_flag_in_help_and_a_yaml_key(capsys, tmp_path):
         value = getattr(defaults, f.name)
         (tmp_path / "one.yaml").write_text(yaml.safe_dump({f.name: value}))
         assert read_yaml(tmp_path / "one.yaml") == {f.name: value}, f.name
+
+
+def test_the_cost_line_and_the_progress_bar_time_left(tiny_model, text_dir, tmp_path, capsys):
+    """Before training one line says what will run and where (the updates, the target tokens of each, the device)
+    and that the time left shows on the progress bar, which has it once the first update is timed."""
+    import re
+
+    out = tmp_path / "out"
+    code = main([str(a) for a in ["--model", tiny_model, "--target", "4x", "--data", text_dir, "--output", out,
+                                  "--cache-dir", tmp_path / "c", "--window", "16", "--steps", "4", "--batch-size",
+                                  "2", "--grad-accum", "3", "--lr", "1e-3", "--warmup", "1"]])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    cost = [line for line in captured.out.splitlines() if line.startswith("training: ")]
+    assert len(cost) == 1 and cost[0].startswith("training: 4 updates x 90 tokens = 360 tokens on ")  # 2 x 3 x 15
+    assert cost[0].endswith("the progress bar shows the time left from the first update on")
+    states = re.split(r"[\r\n]", captured.err)
+    shown = [state for state in states if re.search(r"\b[1-4]/4 \[", state)]  # tqdm redraws at most each 0.1 s
+    assert shown and all(re.search(r"\b[1-4]/4 \[[\d:]+<[\d:]+,", state) for state in shown), captured.err

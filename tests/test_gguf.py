@@ -385,7 +385,8 @@ def test_convert_cli_refuses_an_existing_folder_and_overwrites_on_request(tmp_pa
     (tmp_path / "out" / "mine.txt").write_text("keep")
     assert convert_main([str(tmp_path / "m.gguf"), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert len(err) == 1 and "already exists" in err[0] and (tmp_path / "out" / "mine.txt").exists()
+    assert err == [f"pose_mlx.convert: error: {tmp_path / 'out'} already exists; pass --overwrite to replace it"]
+    assert (tmp_path / "out" / "mine.txt").exists()
     assert convert_main([str(tmp_path / "m.gguf"), str(tmp_path / "out"), "--overwrite"]) == 0
     printed = capsys.readouterr().out
     assert "config.json" in printed and "model.safetensors" in printed

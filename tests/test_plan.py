@@ -353,3 +353,48 @@ def test_align_rows_in_yaml_reads_on_and_off(folder, tmp_path):
     for text, expected in (("on", "on"), ("off", "off"), ("'auto'", "auto")):
         (tmp_path / "run.yaml").write_text(f"model: {folder}\ntarget: 16k\nalign_rows: {text}\n")
         assert parse_invocation(["--config", str(tmp_path / "run.yaml")]).settings.align_rows == expected
+
+
+def test_each_advice_variant_reads_as_a_sentence():
+    """The refusal of a run that does not fit read "even turn on gradient checkpointing (--grad-checkpoint) needs
+    about ...": every change is now a noun phrase after "with" (the first that fits), or after "even with" (none
+    fits: the smallest peak), or the sentence says nothing fits."""
+    full = memory.TrainSettings(window=1024, batch_size=8, lora=False, compile=False, target=8192)
+    arch = memory.architecture(CONFIG)
+    peak = lambda **changes: memory.training_memory(arch, memory.TrainSettings(**{**full.__dict__, **changes})).peak
+    plan = memory.plan_memory(arch, full, 10**15)
+    assert [s["change"] for s in plan.suggestions] == [
+        "gradient checkpointing (--grad-checkpoint)", "LoRA adapters instead of all weights (--lora)",
+        "a 4-bit quantized base with LoRA (mlx_lm.convert -q)",
+        "a 4-bit base, LoRA and gradient checkpointing together"]
+    size = memory.format_size
+    just = peak(grad_checkpoint=True)  # checkpointing alone fits, nothing else is tried first
+    assert memory.plan_memory(arch, full, just).advice() == \
+        f"with gradient checkpointing (--grad-checkpoint) it needs about {size(just)}"
+    tight = memory.plan_memory(arch, full, peak() // 2)
+    batch = next(s for s in tight.suggestions if s["change"].startswith("--batch-size"))
+    assert batch["change"] == f"--batch-size {tight.largest_batch} --grad-accum {-(-8 // tight.largest_batch)} " \
+                              "(the same tokens per update)"
+    none = memory.plan_memory(arch, full, 1)
+    best = min(s["peak_bytes"] for s in none.suggestions)
+    assert none.advice() == f"even with a 4-bit base, LoRA and gradient checkpointing together it needs about " \
+                            f"{size(best)}"
+    done = memory.TrainSettings(window=2, grad_checkpoint=True, compile=False)
+    quantized = memory.architecture({**CONFIG, "quantization": {"bits": 4, "group_size": 64}})
+    assert memory.plan_memory(quantized, done, 1).advice() == "no change the planner knows of makes it fit"
+    with pytest.raises(UserError) as refusal:
+        memory.check_fits(arch, full, just)
+    assert str(refusal.value) == (f"this run needs about {size(peak())} at its peak, more than {size(just)}; with "
+                                  f"gradient checkpointing (--grad-checkpoint) it needs about {size(just)}; or --force "
+                                  "to try anyway")
+
+
+def test_the_resume_command_of_a_run_on_several_ranks_starts_as_many():
+    from types import SimpleNamespace
+
+    command = planner.RunPlan.resume_command.fget
+    assert command(SimpleNamespace(output=Path("runs/a b"), world=SimpleNamespace(size=1))) == \
+        "python -m pose_mlx.finetune --resume --output 'runs/a b'"
+    assert command(SimpleNamespace(output=Path("out"), world=SimpleNamespace(size=2))) == \
+        ("python -m pose_mlx.launch -n 2 -- python -m pose_mlx.finetune --resume --output out (or this command "
+         "under your mlx.launch line, as 2 ranks)")

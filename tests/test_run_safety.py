@@ -261,6 +261,7 @@ def test_a_stop_is_said_by_the_rank_that_saved_and_every_rank_waits_before_exiti
 
     assert issubclass(Interrupted, Stopped)
     assert stopped([]) == 128 + signal.SIGTERM
-    line = "prog: stopped: interrupted by SIGTERM; checkpoint saved at step 7, continue with --resume\n"
+    line = ("prog: stopped: interrupted by SIGTERM; checkpoint saved at step 7; to continue, run the same command with "
+            "--resume\n")
     assert said_before_barrier == [line if is_main else ""]
     assert capsys.readouterr().err == ""

@@ -92,9 +92,19 @@ def test_unreadable_data_files_are_counted_in_one_warning(tiny_model, text_dir, 
     (data / "empty.txt").write_text("  \n")
     (data / "binary.txt").write_bytes(b"text\x00with a NUL")
     (data / "latin1.txt").write_bytes("caf\xe9 cr\xe8me".encode("latin-1"))
-    files = len(list(text_dir.iterdir()))
     _stage(tiny_model, data, tmp_path, "--steps", "1")
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
-    assert warnings == [f"warning: --data {data}: skipped 3 unreadable files or lines ({files} files read, skipped "
-                        f"1 empty, 1 binary, 1 not UTF-8)"]
+    assert warnings == [f"warning: --data {data}: skipped 2 unreadable files or lines (1 binary, 1 not UTF-8)"]
+
+
+def test_empty_data_files_are_not_called_unreadable(tiny_model, text_dir, tmp_path, capsys):  # noqa: F811
+    """The README's data, the stdlib `email` package, holds an empty __init__.py: it was reported as "skipped 1
+    unreadable files"; an empty file has nothing to read, so it costs no warning."""
+    data = tmp_path / "data"
+    shutil.copytree(text_dir, data)
+    (data / "__init__.py").write_text("")
+    (data / "blank.md").write_text("\n\n")
+    _stage(tiny_model, data, tmp_path, "--steps", "1")
+    err = capsys.readouterr().err
+    assert "unreadable" not in err and not [line for line in err.splitlines() if line.startswith("warning:")]
 

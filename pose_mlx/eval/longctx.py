@@ -32,7 +32,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from .. import memory
 from ..errors import ArgumentParser, UserError
-from ..lengths import default_lengths, parse_length, parse_lengths
+from ..lengths import default_lengths, parse_length, parse_lengths, tokens
 from ..model import source
 from ..model.patch import extend, reschedule, use_length
 from .forward import eval_logits
@@ -303,9 +303,9 @@ def eval_parser(prog: str, description: str) -> ArgumentParser:
                         help="extend a raw model with this RoPE schedule before evaluating (default with --target: "
                              "linear = Position Interpolation), no training")
     parser.add_argument("--target", help="target window for --schedule: 32768, 32k or 8x")
-    parser.add_argument("--original", type=int,
+    parser.add_argument("--original", type=tokens,
                         help="the model's pre-training window (default: from pose_mlx.json or config.json)")
-    parser.add_argument("--chunk", type=int,
+    parser.add_argument("--chunk", type=tokens,
                         help=f"tokens per prefill chunk (memory ~ chunk x length; default {DEFAULT_CHUNK})")
     parser.add_argument("--force", action="store_true", help="run even when the memory estimate exceeds the RAM")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from . import longctx
 from ..errors import UserError, command
+from ..lengths import tokens
 from ..training.data import chat_renderer, read_documents  # a text file, a .jsonl file, a folder of them, or a hub dataset
 from .opening import open_evaluation
 
@@ -149,11 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data", required=True, help="a text file, a .jsonl file (field 'text'), or a folder of .txt/.md/.py/.jsonl files")
     parser.add_argument("--lengths", help="window lengths, e.g. 2k,4k,8192 or 1x,2x,4x of the original window "
                                            "(default: doubling from half the original window to the model's maximum)")
-    parser.add_argument("--stride", type=int, help="tokens between window starts, capped at W-1 (default 1024)")
+    parser.add_argument("--stride", type=tokens, help="tokens between window starts, capped at W-1 (default 1024)")
     parser.add_argument("--docs", type=int, help="number of documents to evaluate (default 50)")
-    parser.add_argument("--min-doc-tokens", type=int,
+    parser.add_argument("--min-doc-tokens", type=tokens,
                         help="skip shorter documents (default: the longest length - 1)")
-    parser.add_argument("--truncate", type=int,
+    parser.add_argument("--truncate", type=tokens,
                         help="score the first TRUNCATE tokens of each document (at least the longest length - 1; "
                              "default: the longest length - 1, so every length scores the same tokens; give the "
                              "same value to separate runs of different lengths to score the same tokens)")

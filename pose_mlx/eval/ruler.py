@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from . import longctx
 from ..errors import UserError, command
+from ..lengths import tokens
 from ..files import write_atomic
 from ..resumable import RecordLog
 from .haystack import essay_text
@@ -279,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threshold", type=float,
                         help=f"average score a length needs to count as effective (default {DEFAULT_THRESHOLD}: "
                              "Llama-2-7B at 4k in the RULER paper)")
-    parser.add_argument("--max-new-tokens", type=int,
+    parser.add_argument("--max-new-tokens", type=tokens,
                         help="answer budget in tokens for every task (default: 128 needles, 30 vt, 120 cwe, 50 fwe)")
     parser.add_argument("--no-chat", action="store_true",
                         help="plain prompts even when the tokenizer has a chat template")

@@ -38,6 +38,7 @@ import mlx.nn as nn
 from mlx_lm.utils import save_config, save_model
 
 from ..files import replace_dir, sibling
+from ..training.checkpoint import last_files
 from .gguf import write_tokenizer
 from .patch import Extension, find_rope_modules, save_extension
 from .source import build_model
@@ -167,8 +168,9 @@ def export_model(model: nn.Module, config: dict, tokenizer_source: Path, output:
     `config` is the source config.json dict, `tokenizer_source` a folder holding the tokenizer files,
     `save_weights(model, folder)` what writes the weights into the folder (default: mlx-lm's `save_model`, the
     model as it is; a fine-tuning run passes how its LoRA layers are written: fused, or apart as adapters),
-    `record` extra fields for pose_mlx.json, `extra_files` {name: path} copied in (logs). An existing `output` is
-    replaced only with `overwrite=True`; nothing appears at `output` until the folder is complete.
+    `record` extra fields for pose_mlx.json, `extra_files` {name: path} copied in (logs, a checkpoint; a name may
+    hold a subfolder). An existing `output` is replaced only with `overwrite=True`; nothing appears at `output`
+    until the folder is complete.
     """
     output = Path(output)
     if output.exists() and not overwrite:
@@ -189,6 +191,7 @@ def export_model(model: nn.Module, config: dict, tokenizer_source: Path, output:
         save_extension(model, tmp, mlx_lm_exact=exact, **(record or {}))
         for name, path in (extra_files or {}).items():
             if Path(path).is_file():
+                (tmp / name).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(path, tmp / name)
         replace_dir(tmp, output)
     except BaseException:
@@ -214,6 +217,8 @@ def export_run(model: nn.Module, extension: Extension, plan, summary: dict,
                                              "tokens_per_step", "training", "lr", "seed")}}
     record["steps"] = record["steps"] or 0
     logs = {"train_log.jsonl": plan.partial / "log.jsonl", "run.json": plan.partial / "run.json"}
+    if plan.lora is not None:  # its last checkpoint is small: kept, --resume --steps trains the output longer
+        logs.update((f"checkpoint/{p.name}", p) for p in last_files(plan.partial / "checkpoint"))
     tokenizer_source, config = plan.model.path, plan.config
     if plan.model.is_gguf:
         tokenizer_source = plan.partial / "tokenizer"

@@ -127,6 +127,13 @@ def _fallback(folder: Path) -> str:
             "and --resume again to continue from it")
 
 
+def last_files(folder) -> list[Path]:
+    """The files of the last checkpoint in `folder`: its state.json and the two files it names (the previous
+    checkpoint's left out); [] when there is none."""
+    record = read_state(folder, verify=False)
+    return [] if record is None else [Path(folder) / STATE_FILE] + [Path(folder) / n for n in record["files"].values()]
+
+
 def load_checkpoint(folder, model, optimizer) -> dict:
     """Restore trainable weights and optimizer state; return the state record (step, data, metrics).
 
@@ -148,5 +155,5 @@ def load_checkpoint(folder, model, optimizer) -> dict:
     return record
 
 
-__all__ = ["NonFiniteWeights", "PREVIOUS_FILE", "STATE_FILE", "all_finite", "load_checkpoint", "read_state",
-           "save_checkpoint", "sha256"]
+__all__ = ["NonFiniteWeights", "PREVIOUS_FILE", "STATE_FILE", "all_finite", "last_files", "load_checkpoint",
+           "read_state", "save_checkpoint", "sha256"]

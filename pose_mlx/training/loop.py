@@ -77,11 +77,12 @@ class Collapsed(UserError):
 
 class Interrupted(Stopped):
     """Training stopped by a signal after saving a checkpoint at `step`; raised on every rank of `world`. Rank 0
-    (which saved the checkpoint) announces it; every rank waits for the others before exiting."""
+    (which saved the checkpoint) announces it, with `resume`, the command line that continues the run (default: the
+    same command with --resume); every rank waits for the others before exiting."""
 
-    def __init__(self, signum: int, step: int, world: World = SINGLE):
-        super().__init__(signum, f"interrupted by {signal.Signals(signum).name}; checkpoint saved at step {step}, "
-                                 "continue with --resume")
+    def __init__(self, signum: int, step: int, world: World = SINGLE, resume: str | None = None):
+        super().__init__(signum, f"interrupted by {signal.Signals(signum).name}; checkpoint saved at step {step}; to "
+                                 f"continue, run {resume or 'the same command with --resume'}")
         self.step = step
         self.world = world
         self.announce = world.is_main
@@ -106,6 +107,7 @@ class TrainConfig:
     save_every: int = 0
     eval_every: int = 0
     progress: bool = True
+    resume_command: str | None = None  # what the message of an interruption tells to run (`Interrupted`)
 
     def __post_init__(self):
         assert self.steps >= 1 and self.grad_accum >= 1, self
@@ -274,9 +276,9 @@ def train(model: nn.Module, stream, config: TrainConfig, run_dir, at_positions: 
                             raise NonFinite("a trainable weight", step, saved_step, config.loss_scale) from None
                     saved_step = step
                 if stop:
-                    raise Interrupted(flag.signum or signal.SIGTERM, step, world)
+                    raise Interrupted(flag.signum or signal.SIGTERM, step, world, config.resume_command)
             if world.any(flag.signum is not None):  # a signal during the last update (saved above) still stops
-                raise Interrupted(flag.signum or signal.SIGTERM, config.steps, world)
+                raise Interrupted(flag.signum or signal.SIGTERM, config.steps, world, config.resume_command)
     finally:
         bar.close()
         if restore_call is not None:

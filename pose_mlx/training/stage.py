@@ -31,12 +31,13 @@ def fine_tune(model: nn.Module, tokenizer, plan, at_positions) -> dict:
         model.unfreeze()
     data = training_data(s, tokenizer, plan.window, plan.target, world,
                          row_multiple=plan.memory_plan.settings.row_multiple)  # padded as the plan predicted
-    if world.is_main and data.skipped.skipped():
-        print(f"warning: --data {s.data}: skipped {data.skipped.skipped()} unreadable files or lines "
-              f"({data.skipped.describe()})", file=sys.stderr)
+    if world.is_main and data.skipped.unreadable():  # empty files are not worth a warning: nothing is lost
+        print(f"warning: --data {s.data}: skipped {data.skipped.unreadable()} unreadable files or lines "
+              f"({data.skipped.skipped_binary} binary, {data.skipped.skipped_encoding} not UTF-8)", file=sys.stderr)
     config = TrainConfig(steps=s.steps, lr=s.lr, warmup=s.warmup, max_grad_norm=s.max_grad_norm,
                          grad_accum=s.grad_accum, grad_checkpoint=s.grad_checkpoint, compile=s.compile,
-                         loss_scale=loss_scale, save_every=s.save_every, eval_every=s.eval_every, progress=s.progress)
+                         loss_scale=loss_scale, save_every=s.save_every, eval_every=s.eval_every, progress=s.progress,
+                         resume_command=plan.resume_command)
     t0 = time.perf_counter()
     before = probe_loss(model, data.probe, at_positions)
     last = train(model, data.stream, config, plan.partial, at_positions, data.eval_batches, resume=plan.resume,

@@ -66,7 +66,7 @@ def convert(path: str | os.PathLike, out_folder: str | os.PathLike, keep_quantiz
 
     out = Path(out_folder)
     if out.exists() and not overwrite:
-        raise UserError(f"{out} already exists; pass --overwrite (overwrite=True) to replace it")
+        raise UserError(f"{out} already exists; pass overwrite=True to replace it")
     h = read_header(path)
     config = config_from_gguf(h)
     vocab = _read_vocab(h)  # the tokenizer is checked before anything is written
