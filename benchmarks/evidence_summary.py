@@ -4,7 +4,9 @@ Writes into `results/real_model/results.json`:
   - `addenda`: the committed addenda (benchmarks/protocols/real_model_*.yaml), in order;
   - `cost`: every cost-curve record (`bench_cost_curve`, one file per device) as {"method", "window", "peak_bytes",
     "seconds_per_update", "predicted_bytes", "device"} (a configuration not measured on a device is left out);
-and draws `results/real_model/pareto.png`: passkey accuracy against perplexity at the target, one point per method,
+writes the package's `pose_mlx/evidence.json` (the summary whose one line `finetune` and `plan` print at start:
+`pose_mlx.evidence`; tests/test_evidence.py fails until it equals the record's), and draws
+`results/real_model/pareto.png`: passkey accuracy against perplexity at the target, one point per method,
 one panel per extension factor (4x: 8k -> 32k, the protocol's confirmation numbers, exploratory ones hollow; 8x:
 8k -> 64k, the addendum's). The upper left is better on both; a method no other beats on both axes is on the front
 (`front`, also in results.json as `pareto`).
@@ -18,6 +20,7 @@ from pathlib import Path
 
 from benchmarks.common import REAL_MODEL, ROOT, write_results
 from benchmarks.protocol import PROTOCOLS
+from pose_mlx import evidence
 from pose_mlx.plots import plain_log_axis
 
 RESULTS = REAL_MODEL / "results.json"
@@ -104,6 +107,7 @@ def summarize() -> dict:
     results["cost"] = cost_records()
     results["pareto"] = {title: front(pts) for title, pts in panels(results)}
     write_results("real_model", {k: v for k, v in results.items() if k != "benchmark"}, RESULTS)
+    evidence.SHIPPED.write_text(json.dumps(evidence.summarize(results, ROOT), indent=1) + "\n")
     plot_pareto(results, REAL_MODEL / "pareto.png")
     return results
 

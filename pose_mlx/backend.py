@@ -77,6 +77,11 @@ def _mkl_candidates() -> list[str]:
 
 def _try_load(candidates: list[str]) -> str | None:
     for path in candidates:
+        if "mkl" in os.path.basename(path):
+            # the same results run after run: MKL otherwise picks its thread count by the machine's load and its
+            # code path by the CPU, and a resumed training run must repeat an uninterrupted one's losses
+            os.environ.setdefault("MKL_DYNAMIC", "FALSE")
+            os.environ.setdefault("MKL_CBWR", "AUTO")
         try:
             ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
             return path
