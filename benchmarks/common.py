@@ -341,9 +341,10 @@ def _clocks(pid: int) -> tuple[float | None, int | None]:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), switches
 
 
-def run_tool(cmd: list[str], tool: str, args, timeout: float | None = None) -> dict:
-    """Run one child; the wall and CPU clocks at each update's report, the BLAS probe and the child's output.
-    A child still running after `timeout` seconds is killed and TimeoutError raised."""
+def run_tool(cmd: list[str], tool: str, args, timeout: float | None = None, log: Path | None = None) -> dict:
+    """Run one child; the wall and CPU clocks at each update's report, the BLAS probe and the child's output
+    (stdout, stderr; also written to `log`, whatever the outcome). A child still running after `timeout` seconds
+    is killed and TimeoutError raised; so is the child when this call is left by an exception (a signal's)."""
     env = child_env(**({"OPENBLAS_NUM_THREADS": str(args.threads)} if args.threads else {}))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     marks, texts, lock = {}, {"stdout": [], "stderr": []}, threading.Lock()
@@ -368,20 +369,30 @@ def run_tool(cmd: list[str], tool: str, args, timeout: float | None = None) -> d
                threading.Thread(target=read, args=(proc.stderr, "stderr"))]
     expired = threading.Event()
     timer = threading.Timer(timeout, lambda: (expired.set(), proc.kill())) if timeout is not None else None
-    for thread in (*readers, *([timer] if timer else [])):
-        thread.start()
-    for reader in readers:
-        reader.join()
-    proc.wait()
-    if timer is not None:
-        timer.cancel()
-    stdout, stderr = "\n".join(texts["stdout"]), "\n".join(texts["stderr"])
+    try:
+        for thread in (*readers, *([timer] if timer else [])):
+            thread.start()
+        for reader in readers:
+            reader.join()
+        proc.wait()
+    finally:  # an exception here (a signal's, Ctrl-C) must not leave the child running
+        if timer is not None:
+            timer.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        stdout, stderr = "\n".join(texts["stdout"]), "\n".join(texts["stderr"])
+        if log is not None:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            shown = " ".join("<common.DRIVER>" if c == DRIVER else c for c in cmd)
+            log.write_text(f"$ {shown}\nexit {proc.returncode}\n"
+                           f"--- stdout\n{stdout}\n--- stderr\n{stderr}\n")
     if expired.is_set():
         raise TimeoutError(f"{tool} was stopped after {timeout:.0f} s (last output: {stderr[-300:]!r})")
     if proc.returncode != 0:
         raise SystemExit(f"{tool} failed (exit {proc.returncode}):\n{stdout[-2000:]}\n{stderr[-3000:]}")
     probe = next(json.loads(line[len(PROBE):]) for line in stdout.splitlines() if line.startswith(PROBE))
-    return {"marks": marks, "probe": probe, "stdout": stdout}
+    return {"marks": marks, "probe": probe, "stdout": stdout, "stderr": stderr}
 
 
 def periods(marks: dict, steps: int) -> dict:
