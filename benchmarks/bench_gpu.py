@@ -340,7 +340,8 @@ class Progress:
 def measure(args, size: dict, work: Path, clock: Clock, results: dict, progress: Progress, logs: Path,
             setup: dict) -> None:
     """Every stage after the device check, in order, filling `results`; the test suite runs from the start."""
-    tests = None if args.skip_tests else gpu_checks.start_tests(size["tests"], args.test_workers, logs / "tests.log")
+    workers = 0 if args.dry_run else args.test_workers  # the dry run's few tests: no workers to start
+    tests = None if args.skip_tests else gpu_checks.start_tests(size["tests"], workers, logs / "tests.log")
     if tests is not None:
         say(clock, f"tests: {' '.join(tests['cmd'][1:])}, started beside the next stages")
     try:
