@@ -69,20 +69,28 @@ def child_env(**extra: str) -> dict:
 # ------------------------------------------------------------------------------------------ measuring and inputs
 
 
-def matmul_gflops(n: int = 2048, reps: int = 5) -> float:
-    """2 n^3 / t in GFLOP/s, t the median over `reps` fp32 n x n matmuls after two warm-up ones."""
+def matmul_times(n: int, reps: int, warmup: int = 2, dtype: str = "float32", batch: int = 1) -> list[float]:
+    """Seconds of each of `reps` products a @ b after `warmup` ones: a n x n, b `batch` n x n matrices (one batched
+    product when batch > 1), random normal, in `dtype`."""
     import mlx.core as mx
 
-    a, b = mx.random.normal((n, n), key=mx.random.key(1)), mx.random.normal((n, n), key=mx.random.key(2))
+    shape = (batch, n, n) if batch > 1 else (n, n)
+    a = mx.random.normal((n, n), key=mx.random.key(1)).astype(getattr(mx, dtype))
+    b = mx.random.normal(shape, key=mx.random.key(2)).astype(getattr(mx, dtype))
     mx.eval(a, b)
-    for _ in range(2):
+    for _ in range(warmup):
         mx.eval(a @ b)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         mx.eval(a @ b)
         times.append(time.perf_counter() - t0)
-    return 2 * n**3 / statistics.median(times) / 1e9
+    return times
+
+
+def matmul_gflops(n: int = 2048, reps: int = 5) -> float:
+    """2 n^3 / t in GFLOP/s, t the median over `reps` fp32 n x n matmuls after two warm-up ones."""
+    return 2 * n**3 / statistics.median(matmul_times(n, reps)) / 1e9
 
 
 #: SmolLM2-135M's shapes as an mlx-lm llama config (random weights cost the same FLOPs as trained ones).

@@ -141,22 +141,14 @@ class CardWatch:
 
 PEAK_INFO = "BENCH_GPU_PEAK "
 
-#: The child that times k bf16 n x n matmuls evaluated together, `reps` times after warm-up.
+#: The child that times k bf16 n x n matmuls evaluated together (one batched product), `reps` times after warm-up.
 PEAK = r"""
-import json, statistics, sys, time
+import json, sys
 import pose_mlx
 import mlx.core as mx
+from benchmarks.common import matmul_times
 n, k, reps = map(int, sys.argv[1:4])
-a = mx.random.normal((n, n), key=mx.random.key(1)).astype(mx.bfloat16)
-b = mx.random.normal((k, n, n), key=mx.random.key(2)).astype(mx.bfloat16)
-mx.eval(a, b)
-for _ in range(3):
-    mx.eval(a @ b)
-times = []
-for _ in range(reps):
-    t0 = time.perf_counter()
-    mx.eval(a @ b)
-    times.append(time.perf_counter() - t0)
+times = matmul_times(n, reps, warmup=3, dtype="bfloat16", batch=k)
 print("BENCH_GPU_PEAK " + json.dumps({"n": n, "k": k, "times": times, "device": str(mx.default_device())}))
 """
 
