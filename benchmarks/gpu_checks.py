@@ -91,7 +91,7 @@ class CardWatch:
             self.error = f"no {self.query[0]} on this machine"
             return
         try:
-            out = subprocess.run(self.query, capture_output=True, text=True, timeout=30)
+            out = subprocess.run(self.query, capture_output=True, text=True, timeout=10)
         except (OSError, subprocess.TimeoutExpired) as error:
             self.error = f"{self.query[0]} failed: {error}"
             return

@@ -226,8 +226,11 @@ def extract_host(stash_dir: Path, root: Path) -> list[str]:
 def travel_size(carry: list[str]) -> tuple[int, dict[str, int]]:
     """Bytes a call from this checkout carries (the tracked and the untracked, not ignored, files present, shared/
     and `carry`), and those bytes by folder (at most 5 levels down)."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            capture_output=True, check=True).stdout.decode().split("\0")
+    git = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                         capture_output=True)
+    if git.returncode != 0:
+        raise UserError(f"size: {ROOT} is not a git checkout ({' '.join(git.stderr.decode().split())[:200]})")
+    listed = git.stdout.decode().split("\0")
     paths = {ROOT / p for p in listed if p} | {p for c in carry for p in ([ROOT / c] if (ROOT / c).is_file() else
                                                                         (ROOT / c).rglob("*"))}
     paths |= set((ROOT / "shared").rglob("*")) if (ROOT / "shared").is_dir() else set()
