@@ -323,3 +323,23 @@ def test_a_run_past_its_timeout_is_stopped(tmp_path):
         common.run_tool([sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"],
                         "pose_mlx", SimpleNamespace(threads=0), timeout=1, log=log)
     assert "started" in log.read_text() and "exit -9" in log.read_text()
+
+
+def test_a_run_left_by_an_exception_leaves_no_child(tmp_path):
+    """common.run_tool kills its child when a signal's exception (SIGTERM's, Ctrl-C's) interrupts the wait."""
+    pid_file = tmp_path / "pid"
+    code = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.alarm(2)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            common.run_tool([sys.executable, "-c", code], "pose_mlx", SimpleNamespace(threads=0))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    pid = int(pid_file.read_text())
+    assert not Path(f"/proc/{pid}").exists()
