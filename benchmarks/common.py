@@ -69,20 +69,28 @@ def child_env(**extra: str) -> dict:
 # ------------------------------------------------------------------------------------------ measuring and inputs
 
 
-def matmul_gflops(n: int = 2048, reps: int = 5) -> float:
-    """2 n^3 / t in GFLOP/s, t the median over `reps` fp32 n x n matmuls after two warm-up ones."""
+def matmul_times(n: int, reps: int, warmup: int = 2, dtype: str = "float32", batch: int = 1) -> list[float]:
+    """Seconds of each of `reps` products a @ b after `warmup` ones: a n x n, b `batch` n x n matrices (one batched
+    product when batch > 1), random normal, in `dtype`."""
     import mlx.core as mx
 
-    a, b = mx.random.normal((n, n), key=mx.random.key(1)), mx.random.normal((n, n), key=mx.random.key(2))
+    shape = (batch, n, n) if batch > 1 else (n, n)
+    a = mx.random.normal((n, n), key=mx.random.key(1)).astype(getattr(mx, dtype))
+    b = mx.random.normal(shape, key=mx.random.key(2)).astype(getattr(mx, dtype))
     mx.eval(a, b)
-    for _ in range(2):
+    for _ in range(warmup):
         mx.eval(a @ b)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         mx.eval(a @ b)
         times.append(time.perf_counter() - t0)
-    return 2 * n**3 / statistics.median(times) / 1e9
+    return times
+
+
+def matmul_gflops(n: int = 2048, reps: int = 5) -> float:
+    """2 n^3 / t in GFLOP/s, t the median over `reps` fp32 n x n matmuls after two warm-up ones."""
+    return 2 * n**3 / statistics.median(matmul_times(n, reps)) / 1e9
 
 
 #: SmolLM2-135M's shapes as an mlx-lm llama config (random weights cost the same FLOPs as trained ones).
@@ -341,9 +349,10 @@ def _clocks(pid: int) -> tuple[float | None, int | None]:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), switches
 
 
-def run_tool(cmd: list[str], tool: str, args, timeout: float | None = None) -> dict:
-    """Run one child; the wall and CPU clocks at each update's report, the BLAS probe and the child's output.
-    A child still running after `timeout` seconds is killed and TimeoutError raised."""
+def run_tool(cmd: list[str], tool: str, args, timeout: float | None = None, log: Path | None = None) -> dict:
+    """Run one child; the wall and CPU clocks at each update's report, the BLAS probe and the child's output
+    (stdout, stderr; also written to `log`, whatever the outcome). A child still running after `timeout` seconds
+    is killed and TimeoutError raised; so is the child when this call is left by an exception (a signal's)."""
     env = child_env(**({"OPENBLAS_NUM_THREADS": str(args.threads)} if args.threads else {}))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     marks, texts, lock = {}, {"stdout": [], "stderr": []}, threading.Lock()
@@ -368,20 +377,30 @@ def run_tool(cmd: list[str], tool: str, args, timeout: float | None = None) -> d
                threading.Thread(target=read, args=(proc.stderr, "stderr"))]
     expired = threading.Event()
     timer = threading.Timer(timeout, lambda: (expired.set(), proc.kill())) if timeout is not None else None
-    for thread in (*readers, *([timer] if timer else [])):
-        thread.start()
-    for reader in readers:
-        reader.join()
-    proc.wait()
-    if timer is not None:
-        timer.cancel()
-    stdout, stderr = "\n".join(texts["stdout"]), "\n".join(texts["stderr"])
+    try:
+        for thread in (*readers, *([timer] if timer else [])):
+            thread.start()
+        for reader in readers:
+            reader.join()
+        proc.wait()
+    finally:  # an exception here (a signal's, Ctrl-C) must not leave the child running
+        if timer is not None:
+            timer.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        stdout, stderr = "\n".join(texts["stdout"]), "\n".join(texts["stderr"])
+        if log is not None:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            shown = " ".join("<common.DRIVER>" if c == DRIVER else c for c in cmd)
+            log.write_text(f"$ {shown}\nexit {proc.returncode}\n"
+                           f"--- stdout\n{stdout}\n--- stderr\n{stderr}\n")
     if expired.is_set():
         raise TimeoutError(f"{tool} was stopped after {timeout:.0f} s (last output: {stderr[-300:]!r})")
     if proc.returncode != 0:
         raise SystemExit(f"{tool} failed (exit {proc.returncode}):\n{stdout[-2000:]}\n{stderr[-3000:]}")
     probe = next(json.loads(line[len(PROBE):]) for line in stdout.splitlines() if line.startswith(PROBE))
-    return {"marks": marks, "probe": probe, "stdout": stdout}
+    return {"marks": marks, "probe": probe, "stdout": stdout, "stderr": stderr}
 
 
 def periods(marks: dict, steps: int) -> dict:
