@@ -19,6 +19,7 @@ COMMANDS = {
     "passkey": ("pose_mlx.passkey", "passkey retrieval accuracy by context length and depth"),
     "perplexity": ("pose_mlx.perplexity", "sliding-window perplexity by evaluation length"),
     "ruler": ("pose_mlx.ruler", "RULER's synthetic tasks and the effective context length"),
+    "generate": ("pose_mlx.generate", "answer a prompt or a question about a long file, streaming the text"),
     "convert": ("pose_mlx.convert", "write an mlx-lm model folder from a GGUF file"),
     "launch": ("pose_mlx.launch", "run a command as data-parallel ranks on this machine"),
     "sim": ("pose_mlx.sim.__main__", "the simulator: pre-train a small model and reproduce the paper's grid"),
