@@ -35,10 +35,6 @@ def usage() -> str:
 
 
 @command("pose_mlx")
-def _unknown(argv) -> int:
-    raise UserError(f"unknown command {argv[0]!r}; the commands are: {', '.join(COMMANDS)}")
-
-
 def main(argv=None) -> int:
     """The list of commands (no argument, -h, --help), else the exit code of the command `argv[0]` run with the
     rest of `argv`."""
@@ -47,7 +43,7 @@ def main(argv=None) -> int:
         print(usage())
         return 0
     if argv[0] not in COMMANDS:
-        return _unknown(argv)
+        raise UserError(f"unknown command {argv[0]!r}; the commands are: {', '.join(COMMANDS)}")
     module = importlib.import_module(COMMANDS[argv[0]][0])
     return module.main(argv[1:]) or 0
 
