@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import sys
 
+from . import install_check
 from .errors import UserError, command
 
 #: command -> (module, one line). Every `python -m pose_mlx.X` command, in the order a newcomer uses them.
@@ -37,14 +38,19 @@ def usage() -> str:
 @command("pose_mlx")
 def main(argv=None) -> int:
     """The list of commands (no argument, -h, --help), else the exit code of the command `argv[0]` run with the
-    rest of `argv`."""
+    rest of `argv`; an MLX that cannot be imported is said in one line (`pose_mlx.install_check`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
         return 0
     if argv[0] not in COMMANDS:
         raise UserError(f"unknown command {argv[0]!r}; the commands are: {', '.join(COMMANDS)}")
-    module = importlib.import_module(COMMANDS[argv[0]][0])
+    try:
+        module = importlib.import_module(COMMANDS[argv[0]][0])
+    except ImportError as error:
+        if not install_check.is_mlx_error(error):
+            raise
+        raise UserError(install_check.message(error)) from None
     return module.main(argv[1:]) or 0
 
 
