@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from . import install_check
+from . import __version__, install_check
 from .errors import UserError, command
 
 #: command -> (module, one line). Every `python -m pose_mlx.X` command, in the order a newcomer uses them.
@@ -31,7 +31,8 @@ def usage() -> str:
     width = max(map(len, COMMANDS))
     lines = ["usage: python -m pose_mlx COMMAND [flags]   (or: pose-mlx COMMAND [flags])", "", "commands:"]
     lines += [f"  {name:<{width}}  {text}" for name, (_module, text) in COMMANDS.items()]
-    lines += ["", "`python -m pose_mlx.COMMAND --help` (or `pose-mlx COMMAND --help`) lists a command's flags."]
+    lines += ["", "`python -m pose_mlx.COMMAND --help` (or `pose-mlx COMMAND --help`) lists a command's flags;",
+              "`pose-mlx --version` prints the version."]
     return "\n".join(lines)
 
 
@@ -42,6 +43,9 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        print(f"pose-mlx {__version__}")
         return 0
     if argv[0] not in COMMANDS:
         raise UserError(f"unknown command {argv[0]!r}; the commands are: {', '.join(COMMANDS)}")

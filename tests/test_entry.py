@@ -117,3 +117,28 @@ def test_a_broken_pipe_that_is_not_stdout_keeps_its_traceback(capsys):
 
     with pytest.raises(BrokenPipeError):
         broken([])
+
+
+def test_version_has_one_source():
+    """`pose-mlx --version` and `python -m pose_mlx --version` print pose_mlx.__version__, which is also the
+    version pyproject.toml gives the package (read from it, not written twice) and the installed metadata's."""
+    import importlib.metadata
+
+    import pose_mlx
+
+    for argv in (["-m", "pose_mlx", "--version"], ["-m", "pose_mlx", "-V"]):
+        assert run(*argv) == (0, f"pose-mlx {pose_mlx.__version__}\n", "")
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "pose_mlx.__version__"}
+    assert importlib.metadata.version("pose-mlx") == pose_mlx.__version__
+
+
+def test_license_file_is_the_mit_license_pyproject_declares():
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "MIT" and project["license-files"] == ["LICENSE"]
+    text = (ROOT / "LICENSE").read_text()
+    assert text.startswith("MIT License\n\nCopyright (c) 2026 the pose-mlx authors\n")
+    assert "THE SOFTWARE IS PROVIDED \"AS IS\", WITHOUT WARRANTY OF ANY KIND" in text
