@@ -34,7 +34,7 @@ from .eval import passkey, perplexity
 from .lengths import parse_length
 from .model import source
 from .places import check_output
-from .plots import panels
+from .plots import panels, trials_note
 from .settings import Invocation, RunSettings, validate
 from .sim import SHIPPED_BASE, finetune_data
 
@@ -74,14 +74,16 @@ def _table(rows: dict[str, dict[int, float]], lengths: list[int]) -> str:
     return "\n".join(lines)
 
 
-def comparison(path: Path, lengths: list[int], ppl: dict, accuracy: dict, window: int) -> Path:
-    """Every run's perplexity (log scale) and passkey accuracy by length, two panels of one PNG."""
+def comparison(path: Path, lengths: list[int], ppl: dict, accuracy: dict, window: int, trials: int) -> Path:
+    """Every run's perplexity (log scale) and passkey accuracy (`trials` per length) by length, two panels of one
+    PNG."""
     def series(table):
         return {name: [row.get(n, float("nan")) for n in lengths] for name, row in table.items()}
 
     return panels(path, lengths, [(series(ppl), "perplexity (log scale)", True, None),
                                   (series(accuracy), "passkey accuracy (share of trials)", False, (-0.05, 1.05))],
-                  f"Extending the pre-trained model {lengths[-1] // window}x: every run of the demo", mark=window)
+                  f"Extending the pre-trained model {lengths[-1] // window}x: every run of the demo\n"
+                  f"(passkey: {trials_note([trials])})", mark=window)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -180,7 +182,7 @@ def main(argv=None) -> int:
         accuracy[runs[key]] = {a["length"]: a["accuracy"] for a in found}
     print("\npasskey accuracy by length ('-': the prompt template does not fit):")
     print(_table(accuracy, lengths))
-    png = comparison(out / "comparison.png", lengths, results, accuracy, window)
+    png = comparison(out / "comparison.png", lengths, results, accuracy, window, args.passkey_trials)
     print(f"\nextended model: {out / 'pose'} (loads with mlx_lm.load or pose_mlx.load); "
           f"more trials: python -m pose_mlx.passkey --model {out / 'pose'} --trials 50")
     print(f"per-run plots: {out}/ppl-*.png, {out}/passkey-*_accuracy.png and _heatmap.png; all runs side by side: "

@@ -112,6 +112,13 @@ def plain_log_axis(axis, minimum: int = 4) -> None:
     axis.axes.autoscale(enable=None, axis="x" if axis is axis.axes.xaxis else "y")
 
 
+def trials_note(counts: Sequence[int], per: str = "length") -> str:
+    """How many trials each point of an accuracy plot averages, for its title: 'n = 30 trials per length', or
+    'n = 10-30 trials per length' when the points differ."""
+    low, high = min(counts), max(counts)
+    return f"n = {low}{'' if low == high else f'-{high}'} trial{'' if high == 1 else 's'} per {per}"
+
+
 def mark_tick(ax, mark: float, color: str = "gray") -> None:
     """`mark` (the x of a vertical line) written on the x axis as a tick of its own, in `color`; ticks so close
     that their labels would collide (within 6% of the axis) give way. Call after the limits are final."""

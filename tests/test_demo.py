@@ -62,6 +62,7 @@ def test_demo_extends_and_evaluates(tmp_path, capsys, monkeypatch):
     for ax in (ppl_ax, passkey_ax):  # every run drawn in both panels, at the demo's lengths
         lines = {line.get_label(): list(line.get_xdata()) for line in ax.get_lines()}
         assert all(lines[name] == [128, 256, 512, 1024] for name in runs)
+    assert any(t.get_text().endswith("(passkey: n = 10 trials per length)") for t in comparison.texts)  # suptitle
     (key,) = comparison.legends
     assert [t.get_text() for t in key.get_texts()] == runs + ["original window"]
     comparison.canvas.draw()

@@ -10,7 +10,7 @@ import pytest
 matplotlib.use("Agg")
 from matplotlib.figure import Figure  # noqa: E402
 
-from pose_mlx.plots import curves, heatmap, line_vs_length, log_limits, log_ticks  # noqa: E402
+from pose_mlx.plots import curves, heatmap, line_vs_length, log_limits, log_ticks, trials_note  # noqa: E402
 
 
 @pytest.fixture
@@ -219,3 +219,10 @@ def test_log_limits_widen_to_the_nearest_enclosing_ticks():
     assert log_limits(6.6, 17.5) == (6.0, 20.0)
     assert log_limits(10.0, 20.0) == (10.0, 20.0)  # already on ticks
     assert log_limits(5.0, 5.0) == (5.0, 5.0)  # nothing to widen
+
+
+def test_trials_note_says_how_many_trials_each_point_averages():
+    assert trials_note([30, 30, 30]) == "n = 30 trials per length"
+    assert trials_note([10, 30]) == "n = 10-30 trials per length"
+    assert trials_note([1]) == "n = 1 trial per length"
+    assert trials_note([5], per="cell") == "n = 5 trials per cell"
