@@ -194,9 +194,9 @@ def run(args: GenerateSettings) -> str:
     prompt = prompt_tokens(info.tokenizer, text, args.chat, args.system)
     room = answer_room(len(prompt), args.max_tokens, info)
     estimate, peak = check_memory(info, len(prompt) + room, args.chunk, args.force)
-    capped = f" (capped by the model's window {info.maximum})" if room < args.max_tokens else ""
+    capped = f"the model's window of {info.maximum} tokens" if room < args.max_tokens else ""
     print(f"model {info.path}: schedule {info.schedule}; window {info.maximum}; prompt {len(prompt)} tokens, "
-          f"answer up to {room}{capped}; memory estimate {estimate}", file=sys.stderr)
+          f"answer up to {room}{f' ({capped})' if capped else ''}; memory estimate {estimate}", file=sys.stderr)
     if args.seed is not None:
         mx.random.seed(args.seed)
     pieces, last, started = [], None, time.perf_counter()
@@ -214,9 +214,10 @@ def run(args: GenerateSettings) -> str:
 
 
 def summary(last, room: int, seconds: float, capped: str) -> str:
-    """The closing stderr line: prompt and generation speeds, why the answer stopped, the peak memory."""
+    """The closing stderr line: prompt and generation speeds, why the answer stopped (`capped`: the window, when
+    it cut `--max-tokens` to `room`), the peak memory."""
     prompt_seconds = last.prompt_tokens / last.prompt_tps
-    reason = "end of answer" if last.finish_reason == "stop" else f"--max-tokens {room}{capped}"
+    reason = "end of answer" if last.finish_reason == "stop" else capped or f"--max-tokens {room}"
     return (f"prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tokens/s ({prompt_seconds:.1f} s); "
             f"generation: {last.generation_tokens} tokens, {last.generation_tps:.1f} tokens/s (stopped: {reason}); "
             f"{seconds:.1f} s in all, peak memory {memory.format_size(mx.get_peak_memory())}")

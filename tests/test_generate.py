@@ -124,8 +124,9 @@ def test_a_prompt_that_fills_the_window_is_refused_and_the_answer_is_capped(tiny
     assert 0 < room < 40
     code, out, err = answer(capsys, "--model", str(tiny), "--prompt", fitting, "--max-tokens", "100")
     assert code == 0, err
-    assert f"answer up to {room} (capped by the model's window 512)" in err
-    assert f"generation: {room} tokens" in err.strip().splitlines()[-1]
+    assert f"answer up to {room} (the model's window of 512 tokens)" in err
+    last = err.strip().splitlines()[-1]
+    assert f"generation: {room} tokens" in last and "(stopped: the model's window of 512 tokens)" in last
 
 
 @pytest.mark.parametrize("argv, message", [
