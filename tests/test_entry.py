@@ -111,7 +111,7 @@ def test_output_into_a_closed_pipe_ends_quietly_with_141(tmp_path):
 def test_a_broken_pipe_that_is_not_stdout_keeps_its_traceback(capsys):
     from pose_mlx.errors import command
 
-    @command("pose_mlx.x")
+    @command("a-command")
     def broken(_argv):
         raise BrokenPipeError(32, "Broken pipe")  # e.g. a child's stdin; stdout (captured here) is fine
 
