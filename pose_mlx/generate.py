@@ -131,9 +131,11 @@ def answer_room(prompt: int, max_tokens: int, info: longctx.EvalModel) -> int:
     """Tokens the answer may take: `max_tokens`, fewer where the model's window ends; UserError when the prompt
     alone fills the window."""
     if prompt >= info.maximum:
+        factor = 2 ** math.ceil(math.log2((prompt + max_tokens) / info.original))
+        how = (f"fine-tune it for a longer window (python -m pose_mlx.finetune --target {factor}x)"
+               if "pose_mlx.json" in info.schedule else f"extend it at load (e.g. --schedule yarn --target {factor}x)")
         raise UserError(f"the prompt is {prompt} tokens, at least the model's window of {info.maximum} "
-                        f"({info.schedule}); shorten it, or extend the model further (e.g. --schedule yarn "
-                        f"--target {2 ** math.ceil(math.log2((prompt + max_tokens) / info.original))}x)")
+                        f"({info.schedule}); shorten it, or {how}")
     return min(max_tokens, info.maximum - prompt)
 
 

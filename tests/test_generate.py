@@ -117,7 +117,10 @@ def test_a_prompt_that_fills_the_window_is_refused_and_the_answer_is_capped(tiny
     code, out, err = answer(capsys, "--model", str(tiny), "--prompt", long_text)
     assert code == 2 and out == ""
     assert err.startswith("pose_mlx.generate: error: the prompt is ") and "window of 512" in err
-    assert "--schedule yarn --target 2x" in err and len(err.strip().splitlines()) == 1
+    assert "extend it at load (e.g. --schedule yarn --target 2x)" in err and len(err.strip().splitlines()) == 1
+    code, out, err = answer(capsys, "--model", str(tiny), "--schedule", "yarn", "--target", "2x", "--prompt",
+                            long_text, "--max-tokens", "8")
+    assert code == 0 and "window 1024; prompt " in err  # extended at load, the same prompt fits
     _model, tokenizer = mlx_load(str(tiny))
     fitting = " ".join([TEXT] * 21)
     room = 512 - len(tokenizer.encode(fitting))
@@ -162,3 +165,19 @@ def test_the_real_model_answers_from_its_prompt(smollm2):  # noqa: F811
     text = "".join(r.text for r in generate.generate(model, tokenizer, prompt, 24, chunk=8))
     assert "pineapple" in text.lower()
     mx.clear_cache()
+
+
+def test_a_fine_tuned_model_too_short_for_the_prompt_points_to_finetune(tiny, tmp_path, capsys):
+    import shutil
+
+    from pose_mlx.model.patch import extend, save_extension
+
+    folder = shutil.copytree(tiny, tmp_path / "extended")
+    model, _tokenizer = mlx_load(str(folder))
+    extend(model, "yarn", 128, 256)
+    save_extension(model, folder)
+    (folder / "config.json").write_text(json.dumps({**json.loads((folder / "config.json").read_text()),
+                                                    "max_position_embeddings": 128}))
+    code, out, err = answer(capsys, "--model", str(folder), "--prompt", " ".join([TEXT] * 12), "--max-tokens", "8")
+    assert code == 2 and "window of 256 (yarn x2 (from pose_mlx.json))" in err
+    assert "fine-tune it for a longer window (python -m pose_mlx.finetune --target 4x)" in err
