@@ -36,6 +36,7 @@ from . import memory
 from .errors import UserError, command
 from .eval import longctx
 from .eval.cpu_attention import fast_attention
+from .lengths import tokens
 from .model.patch import use_length
 
 DEFAULT_MAX_TOKENS = 256
@@ -63,9 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="wrap the prompt as the user's message in the tokenizer's chat template")
     parser.add_argument("--system", "--system-prompt", dest="system",
                         help="with --chat: the system message (default: the template's own)")
-    parser.add_argument("--max-tokens", type=int,
-                        help=f"most tokens to generate (default {DEFAULT_MAX_TOKENS}; fewer where the model's "
-                             "window ends)")
+    parser.add_argument("--max-tokens", type=tokens, metavar="N",
+                        help=f"most tokens to generate: 512, 2k (default {DEFAULT_MAX_TOKENS}; fewer where the "
+                             "model's window ends)")
     parser.add_argument("--temp", type=float, help="sampling temperature (default 0: greedy)")
     parser.add_argument("--seed", type=int, help="random seed of the sampling (default: a fresh one each run)")
     parser.set_defaults(**longctx.settings_defaults(GenerateSettings))

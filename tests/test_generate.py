@@ -125,7 +125,7 @@ def test_a_prompt_that_fills_the_window_is_refused_and_the_answer_is_capped(tiny
     fitting = " ".join([TEXT] * 21)
     room = 512 - len(tokenizer.encode(fitting))
     assert 0 < room < 40
-    code, out, err = answer(capsys, "--model", str(tiny), "--prompt", fitting, "--max-tokens", "100")
+    code, out, err = answer(capsys, "--model", str(tiny), "--prompt", fitting, "--max-tokens", "1k")
     assert code == 0, err
     assert f"answer up to {room} (the model's window of 512 tokens)" in err
     last = err.strip().splitlines()[-1]
@@ -139,6 +139,7 @@ def test_a_prompt_that_fills_the_window_is_refused_and_the_answer_is_capped(tiny
     (["--prompt-file", "."], "--prompt-file .: cannot read it (Is a directory)"),
     (["--prompt-file", "latin1.txt"], "--prompt-file latin1.txt: not UTF-8 text (byte 1)"),
     (["--prompt", "hi", "--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
+    (["--prompt", "hi", "--max-tokens", "2x"], "--max-tokens"),
     (["--prompt", "hi", "--temp", "-1"], "--temp must be a finite number >= 0"),
     (["--prompt", "hi", "--temp", "nan"], "--temp must be a finite number >= 0"),
     (["--prompt", "hi", "--system", "s"], "--system: only with --chat"),
