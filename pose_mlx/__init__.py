@@ -3,14 +3,19 @@
 Importing the package loads an optimized BLAS for MLX on Linux (`pose_mlx.backend`, the one place that does
 it) and does not import MLX itself, so NumPy-only parts (`pose_mlx.training.positions`, `pose_mlx.rope`,
 `pose_mlx.analysis`) stay light. The MLX-facing API (`extend`, `use_positions`, `load`, ...) is imported on
-first use.
+first use. Imported to run a command (`python -m pose_mlx.COMMAND`), it checks that MLX imports and otherwise
+ends with one line naming what to install (`pose_mlx.install_check`).
 """
 
 import importlib
 
 from . import backend as _backend
+from . import install_check as _install_check
 
 _backend.load_fast_blas()
+_COMMAND = _install_check.running_command()
+if _COMMAND and _COMMAND.startswith("pose_mlx.") and _COMMAND != "pose_mlx.__main__":
+    _install_check.require_mlx(_COMMAND)
 
 __version__ = "0.1.0"
 

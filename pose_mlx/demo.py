@@ -15,6 +15,9 @@ retrieves a passkey inside its window. Steps, all through the real commands (no 
   4. `pose_mlx.passkey` of the same three runs at the same lengths.
 Writes each command's JSON and plots into --out (ppl-{original,yarn,pose}.json/.png, passkey-*.json, *_accuracy.png,
 *_heatmap.png) and comparison.png: every run's perplexity and passkey accuracy by length, side by side.
+Run again with the same settings, it reuses its corpus and fine-tuned model (steps 1-2, most of its time) and
+says so; a changed setting, a model it did not finish, or `--fresh` trains again. `demo.json` in --out records
+what the corpus was made from; the model's own run.json, the settings it was trained with.
 The simulator's report (benchmarks/results/sim/report.md) has the paper's whole grid; this is its main line in
 a few minutes.
 """
@@ -22,8 +25,12 @@ a few minutes.
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import platform
+import re
 import sys
+import sysconfig
 from pathlib import Path
 
 from mlx_lm.utils import load_tokenizer
@@ -34,11 +41,13 @@ from .eval import passkey, perplexity
 from .lengths import parse_length
 from .model import source
 from .places import check_output
-from .plots import panels
-from .settings import Invocation, RunSettings, validate
+from .plots import panels, trials_note
+from .settings import RUN_FILE, Invocation, RunSettings, load_run_file, validate
 from .sim import SHIPPED_BASE, finetune_data
 
 PRETRAINED = SHIPPED_BASE
+#: In --out: what the corpus of the finished fine-tuning was made from (`corpus_record`).
+RECORD = "demo.json"
 
 
 def write_corpus(folder: Path, test_docs: int, train_docs: int | None, min_chars: int) -> tuple[Path, Path]:
@@ -74,14 +83,16 @@ def _table(rows: dict[str, dict[int, float]], lengths: list[int]) -> str:
     return "\n".join(lines)
 
 
-def comparison(path: Path, lengths: list[int], ppl: dict, accuracy: dict, window: int) -> Path:
-    """Every run's perplexity (log scale) and passkey accuracy by length, two panels of one PNG."""
+def comparison(path: Path, lengths: list[int], ppl: dict, accuracy: dict, window: int, trials: int) -> Path:
+    """Every run's perplexity (log scale) and passkey accuracy (`trials` per length) by length, two panels of one
+    PNG."""
     def series(table):
         return {name: [row.get(n, float("nan")) for n in lengths] for name, row in table.items()}
 
     return panels(path, lengths, [(series(ppl), "perplexity (log scale)", True, None),
                                   (series(accuracy), "passkey accuracy (share of trials)", False, (-0.05, 1.05))],
-                  f"Extending the pre-trained model {lengths[-1] // window}x: every run of the demo", mark=window)
+                  f"Extending the pre-trained model {lengths[-1] // window}x: every run of the demo\n"
+                  f"(passkey: {trials_note([trials])})", mark=window)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--retrieval", type=float, default=0.3,
                    help="share of the fine-tuning documents that are synthetic retrieval documents (default 0.3)")
     p.add_argument("--passkey-trials", type=int, default=10, help="passkey trials per length (default 10)")
+    p.add_argument("--fresh", action="store_true",
+                   help="write the corpus and fine-tune again even when --out holds a model trained with these "
+                        "settings (by default it is reused)")
     return p
 
 
@@ -143,6 +157,65 @@ def _check_finetune(args, out: Path, model: Path, window: int) -> None:
     validate(_finetune_settings(args, model, out, out / "corpus" / "finetune").settings)
 
 
+def corpus_record(args, model: Path) -> dict:
+    """What steps 1-2's corpus is made from: the base (its tokenizer), the document counts, the retrieval share
+    and the interpreter whose standard library is the text."""
+    return {"model": str(model.resolve()), "test_docs": args.test_docs, "train_docs": args.train_docs,
+            "retrieval": args.retrieval, "python": platform.python_version(), "stdlib": sysconfig.get_paths()["stdlib"]}
+
+
+def _changes(old: dict, new: dict) -> list[str]:
+    return [f"{key} {old.get(key)!r} -> {value!r}" for key, value in new.items() if old.get(key) != value]
+
+
+def why_train(out: Path, settings: RunSettings, corpus: dict) -> str | None:
+    """None when `out`/pose is the finished model of a demo run with these fine-tuning `settings` and `corpus`,
+    else why it has to be trained (no model, an unfinished one, or what changed)."""
+    folder = Path(settings.output)
+    if not (folder / "config.json").is_file() or not (folder / RUN_FILE).is_file():
+        return "no fine-tuned model yet"
+    try:
+        record = json.loads((out / RECORD).read_text())
+        saved = load_run_file(folder / RUN_FILE).to_json()
+    except (OSError, ValueError, UserError):
+        return f"{folder} was not finished by a demo run"
+    changed = _changes(record.get("corpus", {}), corpus) + _changes(saved, settings.to_json())
+    return f"the settings changed ({'; '.join(changed)})" if changed else None
+
+
+def _clear_corpus(folder: Path) -> None:
+    """Remove what an earlier `write_corpus` / `finetune_data.build` wrote there (numbered .txt files, the links to
+    them, the retrieval documents), so that fewer documents now leave none of the earlier ones behind."""
+    for sub in ("train", "test", "finetune"):
+        for path in sorted((folder / sub).glob("*")) if (folder / sub).is_dir() else []:
+            if re.fullmatch(r"\d{5}\.txt", path.name) or path.name == finetune_data.RETRIEVAL_FILE:
+                path.unlink()
+
+
+def train_or_reuse(args, out: Path, model: Path, window: int) -> Path:
+    """Steps 1-2: the corpus and the fine-tuned model out/pose, reused when `why_train` finds nothing to redo
+    (not with --fresh); returns the folder of the held-out test documents."""
+    corpus, test = corpus_record(args, model), out / "corpus" / "test"
+    plan = _finetune_settings(args, model, out, out / "corpus" / "finetune")
+    why = "--fresh" if args.fresh else why_train(out, plan.settings, corpus)
+    if why is None and len(list(test.glob("*.txt"))) == args.test_docs:
+        print(f"[1/4] corpus: reusing {out / 'corpus'}")
+        print(f"[2/4] reusing the fine-tuned model {out / 'pose'}: trained with these settings "
+              "(--fresh trains it again)")
+        return test
+    (out / RECORD).unlink(missing_ok=True)  # until this run's model is finished
+    print(f"[1/4] corpus: standard-library sources and {args.retrieval:g} retrieval documents -> {out / 'corpus'}")
+    _clear_corpus(out / "corpus")
+    train, test = write_corpus(out / "corpus", args.test_docs, args.train_docs, min_chars=2000)
+    finetune_data.build(out / "corpus" / "finetune", train, load_tokenizer(model), out / "cache", window,
+                        args.retrieval, seed=0)
+    print(f"[2/4] PoSE fine-tuning of {model} from {window} to {window * args.factor} tokens ({args.factor}x) -> "
+          f"{out / 'pose'} ({why or 'the test documents are missing'})")
+    finetune.run(plan)
+    (out / RECORD).write_text(json.dumps({"corpus": corpus}, indent=1) + "\n")
+    return test
+
+
 @command("pose_mlx.demo")
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
@@ -151,12 +224,7 @@ def main(argv=None) -> int:
     window = _window(model)
     _check_finetune(args, out, model, window)
     target = window * args.factor
-    print(f"[1/4] corpus: standard-library sources and {args.retrieval:g} retrieval documents -> {out / 'corpus'}")
-    train, test = write_corpus(out / "corpus", args.test_docs, args.train_docs, min_chars=2000)
-    train = finetune_data.build(out / "corpus" / "finetune", train, load_tokenizer(model), out / "cache", window,
-                                args.retrieval, seed=0)
-    print(f"[2/4] PoSE fine-tuning of {model} from {window} to {target} tokens ({args.factor}x) -> {out / 'pose'}")
-    finetune.run(_finetune_settings(args, model, out, train))
+    test = train_or_reuse(args, out, model, window)
     print("[3/4] sliding-window perplexity on the held-out documents")
     lengths = [window * 2**k for k in range(args.factor.bit_length())]
     runs = run_labels(args.schedule)
@@ -180,7 +248,7 @@ def main(argv=None) -> int:
         accuracy[runs[key]] = {a["length"]: a["accuracy"] for a in found}
     print("\npasskey accuracy by length ('-': the prompt template does not fit):")
     print(_table(accuracy, lengths))
-    png = comparison(out / "comparison.png", lengths, results, accuracy, window)
+    png = comparison(out / "comparison.png", lengths, results, accuracy, window, args.passkey_trials)
     print(f"\nextended model: {out / 'pose'} (loads with mlx_lm.load or pose_mlx.load); "
           f"more trials: python -m pose_mlx.passkey --model {out / 'pose'} --trials 50")
     print(f"per-run plots: {out}/ppl-*.png, {out}/passkey-*_accuracy.png and _heatmap.png; all runs side by side: "

@@ -3,7 +3,10 @@
 Contract of a command: input the user can fix raises `UserError` anywhere below the command; `command(prog)`
 turns it into ONE line on stderr, ``prog: error: message``, and exit code 2. Ctrl-C outside a training loop
 prints one line and exits with 130; so does work stopped by a signal after saving its state (`Stopped`: the
-training loop's `Interrupted` is one), with 128 + the signal's number. A full or read-only disk (and a permission denied) is the user's
+training loop's `Interrupted` is one), with 128 + the signal's number. Output piped into a reader that leaves
+early (`| head -1`) ends the command quietly with exit code 141, as if SIGPIPE had ended it (what a shell reports
+for `yes | head -1`; Python ignores the signal and raises `BrokenPipeError` instead): stdout is pointed at
+/dev/null so that nothing fails again when Python flushes it at exit. A full or read-only disk (and a permission denied) is the user's
 environment, not a bug: one line and exit code 2 as well; so is a path that cannot exist (a part of it is a file). Every other exception is a bug and keeps its
 traceback.
 """
@@ -14,6 +17,7 @@ import argparse
 import errno
 import functools
 import os
+import select
 import sys
 from typing import Callable
 
@@ -24,6 +28,8 @@ ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EACCES, errno.E
 PATH_ERRNOS = frozenset({errno.ENOTDIR, errno.ENAMETOOLONG})
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
+#: 128 + SIGPIPE (13): the exit code of a command whose output pipe was closed by its reader.
+EXIT_BROKEN_PIPE = 141
 
 
 class UserError(Exception):
@@ -93,7 +99,14 @@ def command(prog: str) -> Callable:
         @functools.wraps(func)
         def main(argv=None) -> int:
             try:
-                return func(argv) or 0
+                code = func(argv) or 0
+                sys.stdout.flush()  # a reader that left shows here, not in Python's flush at exit
+                return code
+            except BrokenPipeError:
+                if not _stdout_widowed():
+                    raise
+                _stdout_to_devnull()
+                return EXIT_BROKEN_PIPE
             except UserError as error:
                 _report(prog, error)
                 return EXIT_USER_ERROR
@@ -116,6 +129,26 @@ def command(prog: str) -> Callable:
     return wrap
 
 
+def _stdout_widowed() -> bool:
+    """Whether stdout is a pipe (or socket) whose reader has closed it: poll reports an error or a hang-up."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # no file descriptor (replaced, closed): not a pipe we wrote
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & (select.POLLERR | select.POLLHUP) for _fd, events in poller.poll(0))
+
+
+def _stdout_to_devnull() -> None:
+    """Point stdout's file descriptor at /dev/null: what is still buffered is flushed there at exit."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
+
+
 def _report(prog: str, message: object, kind: str = "error") -> None:
     try:
         print(f"{prog}: {kind}: {one_line(message)}", file=sys.stderr, flush=True)
@@ -123,5 +156,5 @@ def _report(prog: str, message: object, kind: str = "error") -> None:
         pass
 
 
-__all__ = ["ArgumentParser", "EXIT_INTERRUPTED", "EXIT_USER_ERROR", "Stopped", "UserError", "command", "is_utf8",
+__all__ = ["ArgumentParser", "EXIT_BROKEN_PIPE", "EXIT_INTERRUPTED", "EXIT_USER_ERROR", "Stopped", "UserError", "command", "is_utf8",
            "one_line"]

@@ -1,8 +1,9 @@
 """Plots of the evaluators (matplotlib, Agg backend: no display needed).
 
 Conventions every figure of the project follows: axes say their units; a log axis carries at least four plainly
-written ticks (`plain_log_axis`); a dashed "original window" line has its value as a tick on the x axis
-(`mark_tick`); legends sit outside the plotted data; heatmap cells without data are hatched grey with a legend key.
+written ticks, with a labelled tick at or beyond each end of the data (`plain_log_axis`); a dashed "original
+window" line has its value as a tick on the x axis (`mark_tick`); legends sit outside the plotted data; heatmap
+cells without data are hatched grey with a legend key.
 """
 
 from __future__ import annotations
@@ -59,22 +60,63 @@ def log_ticks(vmin: float, vmax: float, minimum: int = 4) -> list[float]:
     return ticks
 
 
+def log_limits(vmin: float, vmax: float, minimum: int = 4) -> tuple[float, float]:
+    """[vmin, vmax] widened to the nearest `log_ticks` just outside it, so that a log axis can start and end on a
+    labelled tick and no end of the data lies beyond the last label (the demo's perplexities, 10.4-22.3, had
+    labels only at 12-20). The range is widened by one tick spacing at each end without a tick beyond it until
+    the ticks enclose [vmin, vmax] (a few times at most; unchanged if they never do); the limits are the nearest
+    enclosing ticks."""
+    lo, hi = sorted((float(vmin), float(vmax)))
+    if not (lo > 0 and math.isfinite(hi) and hi > lo):
+        return vmin, vmax
+    wide_lo, wide_hi = lo, hi
+    for _ in range(6):
+        ticks = log_ticks(wide_lo, wide_hi, minimum)
+        below, above = [t for t in ticks if t <= lo], [t for t in ticks if t >= hi]
+        if below and above:
+            return below[-1], above[0]
+        if len(ticks) < 2:
+            break
+        wide_lo *= 1.0 if below else ticks[0] / ticks[1]
+        wide_hi *= 1.0 if above else ticks[-1] / ticks[-2]
+    return lo, hi
+
+
 def plain_log_axis(axis, minimum: int = 4) -> None:
     """Major ticks of a log-scaled matplotlib `axis` (ax.xaxis / ax.yaxis) from `log_ticks` over the view at draw
-    time, labelled as plain numbers (7, 10, 20, 0.5, 1e-06); unlabelled minor ticks at every m x 10^k."""
+    time, labelled as plain numbers (7, 10, 20, 0.5, 1e-06); unlabelled minor ticks at every m x 10^k. An
+    autoscaled view is widened to `log_limits`, and both of its ends are labelled."""
     from matplotlib.ticker import FuncFormatter, Locator, LogLocator, NullFormatter
 
     class _Plain(Locator):
+        limits = None  # the last view `view_limits` chose
+
         def __call__(self):
             return self.tick_values(*self.axis.get_view_interval())
 
         def tick_values(self, vmin, vmax):
-            return log_ticks(vmin, vmax, minimum)
+            ticks = log_ticks(vmin, vmax, minimum)
+            if self.limits and np.allclose(sorted((vmin, vmax)), self.limits, rtol=1e-9, atol=0):
+                ticks = sorted(set(ticks) | set(self.limits))
+            return ticks
+
+        def view_limits(self, vmin, vmax):  # called by autoscaling, after the margins
+            self.limits = log_limits(vmin, vmax, minimum)
+            return self.limits
 
     axis.set_major_locator(_Plain())
     axis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
     axis.set_minor_locator(LogLocator(subs="all"))
     axis.set_minor_formatter(NullFormatter())
+    # autoscale again with this locator (set_yscale already did, with the default one); explicit limits stay
+    axis.axes.autoscale(enable=None, axis="x" if axis is axis.axes.xaxis else "y")
+
+
+def trials_note(counts: Sequence[int], per: str = "length") -> str:
+    """How many trials each point of an accuracy plot averages, for its title: 'n = 30 trials per length', or
+    'n = 10-30 trials per length' when the points differ."""
+    low, high = min(counts), max(counts)
+    return f"n = {low}{'' if low == high else f'-{high}'} trial{'' if high == 1 else 's'} per {per}"
 
 
 def mark_tick(ax, mark: float, color: str = "gray") -> None:

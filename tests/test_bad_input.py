@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from _finetune_helpers import text_dir, tiny_model  # noqa: F401
-from pose_mlx import convert, demo, finetune, launch, plan
+from pose_mlx import convert, demo, finetune, generate, launch, plan
 from pose_mlx.eval import passkey, perplexity, ruler
 from pose_mlx.sim import __main__ as sim
 
@@ -207,6 +207,16 @@ CASES = [
      "no document has"),
     ("ppl-bad-jsonl", *_ev(perplexity, "--model", "{model}", "--data", "{jsonl}", "--lengths", "64"),
      "not valid JSON"),
+    ("gen-missing-model", *_ev(generate, "--model", "{root}/nowhere", "--prompt", "hi"), "no such folder or file"),
+    ("gen-torn-weights", *_ev(generate, "--model", "{torn}", "--prompt", "hi"), "cannot load it"),
+    ("gen-no-tokenizer", *_ev(generate, "--model", "{no-tok}", "--prompt", "hi"), "no tokenizer files"),
+    ("gen-schedule-without-target", *_ev(generate, "--model", "{model}", "--prompt", "hi", "--schedule", "linear"),
+     "--target"),
+    ("gen-prompt-file-missing", *_ev(generate, "--model", "{model}", "--prompt-file", "{root}/nowhere.txt"),
+     "--prompt-file {root}/nowhere.txt: cannot read it"),
+    ("gen-prompt-file-binary", *_ev(generate, "--model", "{model}", "--prompt-file", "{unreadable}/b.txt"),
+     "not UTF-8 text"),
+    ("gen-no-prompt", *_ev(generate, "--model", "{model}"), "no prompt"),
     ("demo-factor", *_ev(demo, "--out", "{out}/demo", "--factor", "1"), "--factor"),
     ("demo-model", *_ev(demo, "--out", "{out}/demo", "--model", "{root}/nowhere"), "no config.json"),
     ("demo-lr", *_ev(demo, "--out", "{out}/demo", "--lr", "0"), "--lr"),
@@ -266,6 +276,7 @@ CASES += [
         ("demo-out", demo.main, ["--out", "{out}/@demo"], "--out"),
         ("demo-model", demo.main, ["--out", "{out}/demo", "--model", "{root}/@"], "--model"),
         ("coverage-out", coverage_tool.main, ["--out", "{out}/@cov"], "--out"),
+        ("gen-prompt-file", generate.main, ["--model", "{model}", "--prompt-file", "{root}/@.txt"], "--prompt-file"),
     ]
 ]
 # A model config of the wrong JSON type, for every command that reads a model (before any weight is read).
@@ -282,6 +293,7 @@ CASES += [
         ("ppl", perplexity.main, ["--model", "@", "--data", "{data}", "--output", "{out}/p.json"]),
         ("ruler", ruler.main, ["--model", "@", "--output", "{out}/r.json"]),
         ("demo", demo.main, ["--out", "{out}/demo", "--model", "@"]),
+        ("gen", generate.main, ["--model", "@", "--prompt", "hi"]),
     ]
 ]
 # Simulator and demo settings out of range: validated once, before --out is created.

@@ -118,3 +118,38 @@ def test_coverage_plot_writes_the_original_window_on_its_axis(tmp_path, monkeypa
     ticks = dict(zip(ax.get_xticks(), (t.get_text() for t in ax.get_xticklabels())))
     assert ticks[300] == "300" and "tokens" in ax.get_xlabel()
     assert "original window Lc = 300" in [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+def test_helices_tick_labels_do_not_overlap(tmp_path, monkeypatch):
+    """Neighbouring tick labels of every axis of the three 3D panels are further apart than half their widths
+    (or heights) added: the labels are centred on their tick marks, whose drawn positions give the spacing (the
+    labels' own extents are not reliable on 3D axes)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    tool = _load_tool()
+    spacings, save = [], Figure.savefig
+
+    def measure(self, *args, **kwargs):
+        self.canvas.draw()
+        renderer = self.canvas.get_renderer()
+        for ax in self.axes:
+            for axis, limits in ((ax.xaxis, ax.get_xlim3d()), (ax.yaxis, ax.get_ylim3d()),
+                                 (ax.zaxis, ax.get_zlim3d())):
+                shown = [t for t in axis.get_major_ticks() if limits[0] <= t.get_loc() <= limits[1]]
+                marks = [t.tick1line.get_transform().transform(t.tick1line.get_xydata())[0] for t in shown]
+                boxes = [t.label1.get_window_extent(renderer) for t in shown]
+                spacings.append((ax.get_title(), axis.axis_name, marks, boxes))
+        return save(self, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", measure)
+    tool.plot_helices(tool.parse_args(["--out", str(tmp_path)]), tmp_path)
+    assert len(spacings) == 9
+    for title, name, marks, boxes in spacings:
+        assert len(marks) >= 2, (title, name)
+        for (p, a), (q, b) in zip(zip(marks, boxes), list(zip(marks, boxes))[1:]):
+            apart_x = abs(q[0] - p[0]) >= (a.width + b.width) / 2
+            apart_y = abs(q[1] - p[1]) >= (a.height + b.height) / 2
+            assert apart_x or apart_y, (title, name, p, q, a.width, b.width)

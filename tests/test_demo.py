@@ -62,9 +62,54 @@ def test_demo_extends_and_evaluates(tmp_path, capsys, monkeypatch):
     for ax in (ppl_ax, passkey_ax):  # every run drawn in both panels, at the demo's lengths
         lines = {line.get_label(): list(line.get_xdata()) for line in ax.get_lines()}
         assert all(lines[name] == [128, 256, 512, 1024] for name in runs)
+    assert any(t.get_text().endswith("(passkey: n = 10 trials per length)") for t in comparison.texts)  # suptitle
     (key,) = comparison.legends
     assert [t.get_text() for t in key.get_texts()] == runs + ["original window"]
     comparison.canvas.draw()
     assert all(key.get_window_extent().y1 <= ax.get_tightbbox().y0 for ax in comparison.axes)  # below the panels
     ppl_lines = {line.get_label(): list(line.get_ydata()) for line in ppl_ax.get_lines()}
     assert ppl_lines["original"] == ppl["original"] and ppl_lines["PoSE + YaRN"] == ppl["pose"]
+
+
+def test_a_second_run_reuses_the_trained_model_unless_a_setting_changed(tmp_path, capsys, monkeypatch):
+    argv = ["--out", str(tmp_path), "--steps", "2", "--batch-size", "2", "--train-docs", "12", "--test-docs", "1"]
+    args = demo.build_parser().parse_args(argv)
+    model = Path(args.model)
+    test = demo.train_or_reuse(args, tmp_path, model, 128)
+    assert "[2/4] PoSE fine-tuning" in capsys.readouterr().out and (tmp_path / "pose" / "config.json").is_file()
+    assert [p.name for p in test.glob("*.txt")] == ["00000.txt"]
+    weights = (tmp_path / "pose" / "model.safetensors").stat().st_mtime_ns
+
+    trained = []
+    # a stand-in for fine-tuning from here on: whether it ran, and whether the record of the earlier run was gone
+    monkeypatch.setattr(demo.finetune, "run", lambda _plan: trained.append((tmp_path / demo.RECORD).exists()))
+    assert demo.train_or_reuse(args, tmp_path, model, 128) == test  # the same settings: nothing is trained
+    out = capsys.readouterr().out
+    assert trained == [] and f"[2/4] reusing the fine-tuned model {tmp_path / 'pose'}" in out
+    assert (tmp_path / "pose" / "model.safetensors").stat().st_mtime_ns == weights
+
+    def why(*changed):
+        changed_args = demo.build_parser().parse_args(argv + list(changed))
+        settings = demo._finetune_settings(changed_args, model, tmp_path, tmp_path / "corpus" / "finetune").settings
+        return demo.why_train(tmp_path, settings, demo.corpus_record(changed_args, model))
+
+    assert why() is None
+    assert why("--steps", "3") == "the settings changed (steps 2 -> 3)"
+    assert "lr 0.0002 -> 0.001" in why("--lr", "1e-3") and "retrieval 0.3 -> 0.2" in why("--retrieval", "0.2")
+    assert "train_docs 12 -> 11" in why("--train-docs", "11")
+
+    fresh = demo.build_parser().parse_args(argv + ["--fresh"])
+    demo.train_or_reuse(fresh, tmp_path, model, 128)
+    assert trained == [False] and "(--fresh)" in capsys.readouterr().out  # the record goes before training
+    (tmp_path / demo.RECORD).unlink()  # as if that run had been stopped during training: its model is not reused
+    assert why() == f"{tmp_path / 'pose'} was not finished by a demo run"
+
+
+def test_fewer_documents_leave_none_of_the_earlier_ones(tmp_path):
+    folder = tmp_path / "corpus"
+    demo.write_corpus(folder, 2, 6, min_chars=2000)
+    (folder / "train" / "mine.txt").write_text("not the demo's")
+    demo._clear_corpus(folder)
+    train, test = demo.write_corpus(folder, 1, 3, min_chars=2000)
+    assert sorted(p.name for p in train.iterdir()) == ["00000.txt", "00001.txt", "00002.txt", "mine.txt"]
+    assert [p.name for p in test.iterdir()] == ["00000.txt"]

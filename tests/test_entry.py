@@ -84,3 +84,61 @@ def test_console_scripts_declared_in_pyproject_resolve():
 def test_every_listed_command_has_a_main(name):
     module = importlib.import_module(entry.COMMANDS[name][0])
     assert callable(module.main)
+
+
+def run_into_closed_pipe(*argv):
+    """(exit code, stderr) of `python argv` whose stdout is a pipe that its reader has already closed: every
+    write fails, as when `| head -1` has read its line and exited (deterministic: no race with the reader)."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run([sys.executable, *argv], stdout=write, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                              timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    finally:
+        os.close(write)
+    return proc.returncode, proc.stderr
+
+
+def test_output_into_a_closed_pipe_ends_quietly_with_141(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, '
+                                          '"intermediate_size": 128, "num_attention_heads": 4, "vocab_size": 100, '
+                                          '"max_position_embeddings": 128, "torch_dtype": "float32"}')
+    plan = ["--model", str(tmp_path), "--target", "4x", "--max-memory", "1GB"]
+    for argv in (["-m", "pose_mlx"], ["-m", "pose_mlx.plan", *plan], ["-m", "pose_mlx", "plan", *plan]):
+        assert run_into_closed_pipe(*argv) == (141, ""), argv
+
+
+def test_a_broken_pipe_that_is_not_stdout_keeps_its_traceback(capsys):
+    from pose_mlx.errors import command
+
+    @command("a-command")
+    def broken(_argv):
+        raise BrokenPipeError(32, "Broken pipe")  # e.g. a child's stdin; stdout (captured here) is fine
+
+    with pytest.raises(BrokenPipeError):
+        broken([])
+
+
+def test_version_has_one_source():
+    """`pose-mlx --version` and `python -m pose_mlx --version` print pose_mlx.__version__, which is also the
+    version pyproject.toml gives the package (read from it, not written twice) and the installed metadata's."""
+    import importlib.metadata
+
+    import pose_mlx
+
+    for argv in (["-m", "pose_mlx", "--version"], ["-m", "pose_mlx", "-V"]):
+        assert run(*argv) == (0, f"pose-mlx {pose_mlx.__version__}\n", "")
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "pose_mlx.__version__"}
+    assert importlib.metadata.version("pose-mlx") == pose_mlx.__version__
+
+
+def test_license_file_is_the_mit_license_pyproject_declares():
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "MIT" and project["license-files"] == ["LICENSE"]
+    text = (ROOT / "LICENSE").read_text()
+    assert text.startswith("MIT License\n\nCopyright (c) 2026 the pose-mlx authors\n")
+    assert "THE SOFTWARE IS PROVIDED \"AS IS\", WITHOUT WARRANTY OF ANY KIND" in text

@@ -1,6 +1,7 @@
 """Passkey retrieval: prompt sizing, answer parsing, greedy decoding with a shared KV cache, CLI."""
 
 import json
+from pathlib import Path
 import time
 
 import numpy as np
@@ -138,7 +139,12 @@ def test_depth_grid_averages_hits_per_cell():
     assert grid[0, 1] == 0.0 and np.isnan(grid[1, 1])
 
 
-def test_cli_end_to_end(tiny, tmp_path, capsys):
+def test_cli_end_to_end(tiny, tmp_path, capsys, monkeypatch):
+    from matplotlib.figure import Figure
+
+    titles, save = {}, Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda self, path, **kw: (
+        titles.setdefault(Path(path).name, self.axes[0].get_title()), save(self, path, **kw))[1])
     folder = tiny[0]
     out = tmp_path / "pk.json"
     started = time.perf_counter()
@@ -157,6 +163,9 @@ def test_cli_end_to_end(tiny, tmp_path, capsys):
     assert_cost(record, folder, elapsed)
     assert (tmp_path / "pk_accuracy.png").stat().st_size > 1000
     assert (tmp_path / "pk_heatmap.png").stat().st_size > 1000
+    # each accuracy plot says how many trials each of its points averages
+    assert titles == {"pk_accuracy.png": "Passkey retrieval accuracy (n = 3 trials per length)",
+                      "pk_heatmap.png": "Passkey accuracy by depth and length\n(n = 3 trials per length)"}
 
 
 def test_interrupted_run_takes_up_its_finished_trials(tiny, tmp_path, capsys, monkeypatch):

@@ -10,7 +10,7 @@ import pytest
 matplotlib.use("Agg")
 from matplotlib.figure import Figure  # noqa: E402
 
-from pose_mlx.plots import curves, heatmap, line_vs_length, log_ticks  # noqa: E402
+from pose_mlx.plots import curves, heatmap, line_vs_length, log_limits, log_ticks, trials_note  # noqa: E402
 
 
 @pytest.fixture
@@ -189,3 +189,40 @@ def test_simulator_report_plots_from_its_committed_results(tmp_path, saved):
     assert cost.get_xlabel() == "target length Lt (tokens)" and "(s)" in cost.get_ylabel()
     assert [t.get_text() for t in cost.get_legend().get_texts()] == ["PoSE (Lc-token sequences)",
                                                                     "full-length (Lt-token sequences)"]
+
+
+@pytest.mark.parametrize("values", [[11.56, 10.44, 10.65, 22.27], [6.9, 9.9, 25.0, 40.0], [8.3, 8.5, 8.7, 9.3],
+                                    [61078.0, 80000.0, 136302.0, 70000.0], [1e-9, 1e-5, 0.01, 1.0]])
+def test_log_axis_labels_enclose_the_data(tmp_path, saved, values):
+    """The lowest point and the highest have a labelled tick at or beyond them: the demo's comparison.png once
+    labelled only 12-20 of perplexities 10.4-22.3 (a log axis without a label below its lowest line)."""
+    from pose_mlx.plots import panels
+
+    panels(tmp_path / "p.png", [128, 256, 512, 1024], [({"a": values}, "perplexity (log scale)", True, None),
+                                                       ({"a": [0.5] * 4}, "accuracy", False, (-0.05, 1.05))],
+           "t", mark=128)
+    fig = saved[0]
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    low, high = ax.get_ylim()
+    labelled = sorted(v for v, t in zip(ax.get_yticks(), ax.get_yticklabels()) if t.get_text() and low <= v <= high)
+    assert labelled[0] <= min(values) and labelled[-1] >= max(values), labelled
+    assert len(labelled) >= 4
+    for value, text in ((v, t.get_text()) for v, t in zip(ax.get_yticks(), ax.get_yticklabels()) if t.get_text()):
+        assert "$" not in text and math.isclose(float(text), value, rel_tol=1e-3)
+    boxes = sorted((t.get_window_extent() for t in ax.get_yticklabels() if t.get_text()), key=lambda b: b.y0)
+    assert all(a.y1 <= b.y0 for a, b in zip(boxes, boxes[1:]))  # no two labels overlap
+
+
+def test_log_limits_widen_to_the_nearest_enclosing_ticks():
+    assert log_limits(10.05, 23.1) == (10.0, 25.0)  # the demo's perplexities with matplotlib's margins
+    assert log_limits(6.6, 17.5) == (6.0, 20.0)
+    assert log_limits(10.0, 20.0) == (10.0, 20.0)  # already on ticks
+    assert log_limits(5.0, 5.0) == (5.0, 5.0)  # nothing to widen
+
+
+def test_trials_note_says_how_many_trials_each_point_averages():
+    assert trials_note([30, 30, 30]) == "n = 30 trials per length"
+    assert trials_note([10, 30]) == "n = 10-30 trials per length"
+    assert trials_note([1]) == "n = 1 trial per length"
+    assert trials_note([5], per="cell") == "n = 5 trials per cell"

@@ -106,3 +106,17 @@ def test_metric_table_formats_with_the_given_format_and_dashes_gaps():
     ppl = results["runs"]["pose-linear"]["ppl"]
     assert [c.strip() for c in cells] == ["PoSE + linear"] + [f"{ppl[str(n)]:.3f}" for n in LENGTHS[:3]] + ["-"]
     assert re.fullmatch(r"\d+\.\d{3}", cells[1].strip())
+
+
+def test_the_passkey_plot_says_how_many_trials_each_point_averages(tmp_path, monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    titles, save = {}, Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda self, path, **kw: (
+        titles.setdefault(str(path).rsplit("/", 1)[-1], self.axes[0].get_title()), save(self, path, **kw))[1])
+    results = _results(1)
+    report.plots(results, tmp_path)
+    assert titles["passkey.png"] == "Passkey retrieval (cf. paper Figure 2b), n = 4 trials per length"

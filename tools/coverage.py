@@ -118,6 +118,8 @@ def plot_angles(args, out: Path) -> dict:
 
 
 def plot_helices(args, out: Path) -> None:
+    from matplotlib.ticker import MaxNLocator
+
     t_dense = np.linspace(0, 10, 800)
     t_int = np.arange(11.0)
     a = 2.0
@@ -134,7 +136,9 @@ def plot_helices(args, out: Path) -> None:
         ax.set_xlabel("Re f_0", fontsize=7)
         ax.set_ylabel("Im f_0", fontsize=7)
         ax.set_zlabel("Re f_j", fontsize=7)
-        ax.tick_params(labelsize=6)
+        for axis in (ax.xaxis, ax.yaxis, ax.zaxis):  # three round ticks an axis: the labels do not overlap
+            axis.set_major_locator(MaxNLocator(nbins=2, steps=[1, 2, 5, 10]))
+        ax.tick_params(labelsize=7)
     fig.suptitle(f"Fig. 8 of Xiong et al. (arXiv 2309.16039), analogue: x=cos t, y=sin t, z=sin(a t); PI scales t by alpha={args.alpha:g}, "
                  "ABF doubles a", fontsize=9)
     fig.savefig(out / "helices.png", dpi=110)

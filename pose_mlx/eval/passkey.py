@@ -305,14 +305,15 @@ def run(args: PasskeySettings) -> list[dict]:
               "trials": [asdict(t) for t in trials], "cost": longctx.run_cost(opening.started, taken_up=len(done))}
     out.write_text(json.dumps(record, indent=2) + "\n")
     log.remove()
-    from ..plots import heatmap, line_vs_length  # matplotlib: loaded once there is something to plot
+    from ..plots import heatmap, line_vs_length, trials_note  # matplotlib: loaded once there is something to plot
 
+    trials_per_length = trials_note([a["trials"] for a in accuracy])
     acc_png = line_vs_length(out.with_name(out.stem + "_accuracy.png"), lengths,
                              {info.label: [a["accuracy"] for a in accuracy]}, "accuracy (share of trials)",
-                             "Passkey retrieval accuracy", ylim=(-0.05, 1.05),
+                             f"Passkey retrieval accuracy ({trials_per_length})", ylim=(-0.05, 1.05),
                              mark=info.original)
     heat_png = heatmap(out.with_name(out.stem + "_heatmap.png"), grid, labels, [str(n) for n in grid_lengths],
                        "context length (tokens)", "needle depth (share of the context)",
-                       "Passkey accuracy by depth and length")
+                       f"Passkey accuracy by depth and length\n({trials_per_length})")
     print(f"wrote {out}, {acc_png} and {heat_png}", file=sys.stderr)
     return accuracy

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import shutil
 
-from ..plots import curves, line_vs_length
+from ..plots import curves, line_vs_length, trials_note
 from .agreement import ranking
 
 #: (file stem, title, runs) of each perplexity table / figure.
@@ -80,7 +80,9 @@ def plots(results: dict, folder: Path) -> list[Path]:
         series = {_label(results, n): [results["runs"][n]["passkey"].get(str(L), float("nan")) for L in tested]
                   for n in keys}
         out.append(line_vs_length(folder / "passkey.png", tested, series, "accuracy (share of trials)",
-                                  "Passkey retrieval (cf. paper Figure 2b)", ylim=(-0.05, 1.05), mark=window))
+                                  f"Passkey retrieval (cf. paper Figure 2b), "
+                                  f"{trials_note([results['config']['passkey_trials']])}", ylim=(-0.05, 1.05),
+                                  mark=window))
     nll = results.get("nll_by_position") or {}
     shown = [n for n in NLL_RUNS if n in nll]
     if shown:

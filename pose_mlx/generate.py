@@ -1,0 +1,230 @@
+"""Generate text from an extended model and a long prompt: `python -m pose_mlx.generate`.
+
+The prompt is `--prompt-file` (a text file, `-` for stdin), then `--prompt` after a blank line (a question about
+the file), or either alone; `--chat` wraps it as the user's message in the tokenizer's chat template (with
+`--system` as the system message). The model is any reference the evaluators take, with a fine-tuned folder's
+schedule re-applied and a raw model extended at load with `--schedule/--target` (`pose_mlx.eval.longctx`).
+The answer streams to stdout token by token; stderr carries the model line, a progress bar with ETA over a
+prefill longer than one chunk, and at the end one line with the prompt's and the answer's tokens per second.
+
+Generation is mlx-lm's own (`mlx_lm.stream_generate`; greedy by default, `--temp` samples), with the prompt
+prefilled through the KV cache `--chunk` tokens at a time into a cache allocated once for prompt and answer.
+On MLX's CPU backend the model's attention runs on the project's exact CPU path
+(`pose_mlx.eval.cpu_attention.fast_attention`, several times faster on long prompts); on Metal and CUDA it is
+MLX's fused kernel. A dynamic-NTK model sets its base from the whole prompt while prefilling
+(`pose_mlx.model.patch.use_length`), as one forward pass would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from tqdm import tqdm
+
+import mlx.core as mx
+from mlx_lm import stream_generate
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_sampler
+
+from . import memory
+from .errors import UserError, command
+from .eval import longctx
+from .eval.cpu_attention import fast_attention
+from .lengths import tokens
+from .model.patch import use_length
+
+DEFAULT_MAX_TOKENS = 256
+
+
+@dataclass(kw_only=True)
+class GenerateSettings(longctx.EvalSettings):
+    """What `python -m pose_mlx.generate` is asked (the flags' names and defaults); `run` checks it."""
+
+    prompt: str | None = None
+    prompt_file: str | None = None
+    chat: bool = False
+    system: str | None = None
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temp: float = 0.0
+    seed: int | None = None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = longctx.eval_parser("python -m pose_mlx.generate", __doc__.split("\n")[0])
+    parser.add_argument("--prompt", help="the prompt; with --prompt-file, appended after the file's text and a "
+                                         "blank line (e.g. a question about the file)")
+    parser.add_argument("--prompt-file", help="read the prompt from this text file ('-': standard input)")
+    parser.add_argument("--chat", action="store_true",
+                        help="wrap the prompt as the user's message in the tokenizer's chat template")
+    parser.add_argument("--system", "--system-prompt", dest="system",
+                        help="with --chat: the system message (default: the template's own)")
+    parser.add_argument("--max-tokens", type=tokens, metavar="N",
+                        help=f"most tokens to generate: 512, 2k (default {DEFAULT_MAX_TOKENS}; fewer where the "
+                             "model's window ends)")
+    parser.add_argument("--temp", type=float, help="sampling temperature (default 0: greedy)")
+    parser.add_argument("--seed", type=int, help="random seed of the sampling (default: a fresh one each run)")
+    parser.set_defaults(**longctx.settings_defaults(GenerateSettings))
+    return parser
+
+
+def check(args: GenerateSettings) -> None:
+    """The flags that need no model: UserError naming the flag."""
+    longctx.check_chunk(args.chunk)
+    if args.prompt is None and args.prompt_file is None:
+        raise UserError("no prompt: give --prompt TEXT, --prompt-file FILE ('-' for stdin), or both")
+    if args.max_tokens < 1:
+        raise UserError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if not (math.isfinite(args.temp) and args.temp >= 0):
+        raise UserError(f"--temp must be a finite number >= 0 (0 = greedy), got {args.temp}")
+    if args.seed is not None and not 0 <= args.seed < 2**64:
+        raise UserError(f"--seed must be in [0, 2^64), got {args.seed}")
+    if args.system is not None and not args.chat:
+        raise UserError("--system: only with --chat (it is the chat template's system message)")
+
+
+def read_prompt(args: GenerateSettings) -> str:
+    """The file's text (or stdin's), then `--prompt` after a blank line; UserError when unreadable or empty."""
+    text = args.prompt if args.prompt_file is None else _read_text(args.prompt_file)
+    if args.prompt_file is not None and args.prompt is not None:
+        text = f"{text.rstrip()}\n\n{args.prompt}"
+    if not text.strip():
+        raise UserError("the prompt is empty (--prompt and --prompt-file hold no text)")
+    return text
+
+
+def _read_text(name: str) -> str:
+    if name == "-":
+        if sys.stdin.isatty():
+            print("reading the prompt from standard input (end it with Ctrl-D)", file=sys.stderr)
+        data = sys.stdin.buffer.read()
+    else:
+        try:
+            data = Path(name).read_bytes()
+        except OSError as error:
+            raise UserError(f"--prompt-file {name}: cannot read it ({error.strerror})") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        where = "standard input" if name == "-" else name
+        raise UserError(f"--prompt-file {where}: not UTF-8 text (byte {error.start})") from None
+
+
+def prompt_tokens(tokenizer, text: str, chat: bool = False, system: str | None = None) -> list[int]:
+    """Token ids of the prompt: `text` with the tokenizer's special tokens (BOS), or with `chat` the chat
+    template's rendering of [system, user] messages with the assistant's turn opened (as `mlx_lm.generate`)."""
+    if not chat:
+        return list(tokenizer.encode(text))
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError("--chat: the model's tokenizer has no chat template; drop --chat to send the raw text")
+    messages = ([{"role": "system", "content": system}] if system is not None else [])
+    messages.append({"role": "user", "content": text})
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer.encode(rendered, add_special_tokens=False))
+
+
+def answer_room(prompt: int, max_tokens: int, info: longctx.EvalModel) -> int:
+    """Tokens the answer may take: `max_tokens`, fewer where the model's window ends; UserError when the prompt
+    alone fills the window."""
+    if prompt >= info.maximum:
+        factor = 2 ** math.ceil(math.log2((prompt + max_tokens) / info.original))
+        how = (f"fine-tune it for a longer window (python -m pose_mlx.finetune --target {factor}x)"
+               if "pose_mlx.json" in info.schedule else f"extend it at load (e.g. --schedule yarn --target {factor}x)")
+        raise UserError(f"the prompt is {prompt} tokens, at least the model's window of {info.maximum} "
+                        f"({info.schedule}); shorten it, or {how}")
+    return min(max_tokens, info.maximum - prompt)
+
+
+def check_memory(info: longctx.EvalModel, length: int, chunk: int, force: bool) -> tuple[str, int]:
+    """The predicted peak of a `length`-token generation (`pose_mlx.memory.eval_memory`, last position's
+    logits) against this machine's memory: UserError above it unless `force` (then a warning). Returns the
+    prediction in words and MLX's predicted peak in bytes."""
+    estimate = memory.eval_memory(info.config, length, chunk, all_logits=False)
+    total = estimate.peak + estimate.details["numpy_bytes"]
+    available, where = memory.available_memory()
+    if total > available:
+        message = (f"prompt and answer ({length} tokens) need about {memory.format_size(total)}, more than the "
+                   f"{memory.format_size(available)} this machine offers ({where}); use a shorter prompt, fewer "
+                   "--max-tokens or a smaller --chunk (or --force)")
+        if not force:
+            raise UserError(message)
+        print(f"warning: {message}", file=sys.stderr)
+    return memory.format_size(total), estimate.peak
+
+
+def generate(model, tokenizer, prompt: list[int], max_tokens: int, *, temp: float = 0.0,
+             chunk: int = longctx.DEFAULT_CHUNK, progress=None) -> Iterator:
+    """mlx-lm's `stream_generate` responses (`.text` the next piece of the answer) for `prompt` (token ids):
+    the prompt prefilled `chunk` tokens at a time into a KV cache allocated once for prompt and answer, with
+    the CPU attention path on MLX's CPU backend. `progress(done, total)` is told of the prefill's progress."""
+    cache = make_prompt_cache(model)
+    with fast_attention(model), use_length(model, len(prompt)), longctx.reserved(cache, len(prompt) + max_tokens):
+        yield from stream_generate(model, tokenizer, prompt, max_tokens, sampler=make_sampler(temp),
+                                   prompt_cache=cache, prefill_step_size=chunk, prompt_progress_callback=progress)
+
+
+class PrefillBar:
+    """A tqdm bar over the prefill's tokens (with ETA), shown only when the prefill takes more than one chunk;
+    closed when the prefill ends, before the answer streams."""
+
+    def __init__(self, total: int, chunk: int, enabled: bool):
+        self.bar = tqdm(total=total, desc="prefill", unit="tok", file=sys.stderr,
+                        disable=not enabled or total <= chunk, dynamic_ncols=True)
+
+    def __call__(self, done: int, total: int) -> None:
+        self.bar.update(done - self.bar.n)
+        if done >= total:
+            self.bar.close()
+
+
+@command("pose_mlx.generate")
+def main(argv=None) -> int:
+    run(GenerateSettings(**vars(build_parser().parse_args(argv))))
+    return 0
+
+
+def run(args: GenerateSettings) -> str:
+    """The command: check `args`, read the prompt, load the model, stream the answer to stdout, say what it took
+    on stderr; returns the answer."""
+    check(args)
+    text = read_prompt(args)
+    info = longctx.load_eval_model(args.model, args.schedule, args.target, args.original)
+    prompt = prompt_tokens(info.tokenizer, text, args.chat, args.system)
+    room = answer_room(len(prompt), args.max_tokens, info)
+    estimate, peak = check_memory(info, len(prompt) + room, args.chunk, args.force)
+    capped = f"the model's window of {info.maximum} tokens" if room < args.max_tokens else ""
+    print(f"model {info.path}: schedule {info.schedule}; window {info.maximum}; prompt {len(prompt)} tokens, "
+          f"answer up to {room}{f' ({capped})' if capped else ''}; memory estimate {estimate}", file=sys.stderr)
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+    pieces, last, started = [], None, time.perf_counter()
+    with longctx.cache_held_to(peak):
+        bar = PrefillBar(len(prompt), args.chunk, not args.no_progress)
+        for last in generate(info.model, info.tokenizer, prompt, room, temp=args.temp, chunk=args.chunk,
+                             progress=bar):
+            pieces.append(last.text)
+            sys.stdout.write(last.text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    print(summary(last, room, time.perf_counter() - started, capped), file=sys.stderr)
+    return "".join(pieces)
+
+
+def summary(last, room: int, seconds: float, capped: str) -> str:
+    """The closing stderr line: prompt and generation speeds, why the answer stopped (`capped`: the window, when
+    it cut `--max-tokens` to `room`), the peak memory."""
+    prompt_seconds = last.prompt_tokens / last.prompt_tps
+    reason = "end of answer" if last.finish_reason == "stop" else capped or f"--max-tokens {room}"
+    return (f"prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tokens/s ({prompt_seconds:.1f} s); "
+            f"generation: {last.generation_tokens} tokens, {last.generation_tps:.1f} tokens/s (stopped: {reason}); "
+            f"{seconds:.1f} s in all, peak memory {memory.format_size(mx.get_peak_memory())}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
