@@ -118,6 +118,10 @@ def test_quick_map_recipe_from_the_runs_own_records(quick):
     for f, column in results["map"].items():
         for entry in column.values():
             assert entry["ppl"] == pytest.approx(sum(s["ppl"] for s in entry["per_seed"].values()) / 2)
+    for f, column in results["map"].items():  # the ranking of each column: by the means, best first
+        by_ppl = sorted(column, key=lambda m: column[m]["ppl"])
+        assert [m for tied in results["ranking"][f]["ppl"] for m in tied] == by_ppl
+    assert results["agreement"] == {}  # the real model has a 4x block only
     assert set(results["stage_seconds"]) >= {"finetune adapt", "evaluate pose-yarn-8x.s1"}
     for png in ("passkey.png", "ppl.png"):
         assert (out / png).stat().st_size > 5000
@@ -141,9 +145,14 @@ def test_a_report_of_an_unfinished_run_leaves_cells_out(quick, tmp_path):
     shutil.copytree(out, partial, symlinks=True)
     (partial / "eval" / "full-yarn-8x.s1.ppl.json").unlink()
     (partial / "eval" / "full-yarn-8x.s1.passkey.json").unlink()
+    # YaRN-only's perplexity is shared by the seeds: without seed 1's passkey, its seed 1 is not measured yet
+    (partial / "eval" / "yarn-8x.s1.passkey.json").unlink()
     table = map_report.collect(sim_map.parse_config(argv), partial)
-    assert set(table["8"]["full-yarn"]["per_seed"]) == {"0"}
-    assert table["8"]["full-yarn"]["ppl"] == table["8"]["full-yarn"]["per_seed"]["0"]["ppl"]
+    for method in ("full-yarn", "yarn"):
+        assert set(table["8"][method]["per_seed"]) == {"0"}
+        assert table["8"][method]["ppl"] == table["8"][method]["per_seed"]["0"]["ppl"]
+        assert table["8"][method]["passkey"] == table["8"][method]["per_seed"]["0"]["passkey"]
+    assert set(table["2"]["yarn"]["per_seed"]) == {"0", "1"}  # no passkey at 2x (toy size): perplexity is all
 
 
 @pytest.mark.parametrize("flags, message", [

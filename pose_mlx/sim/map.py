@@ -33,11 +33,9 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from . import corpus as corpus_mod
 from . import map_report
 from .config import QUICK, SimConfig, validate
-from .grid import (evaluate_passkey, evaluate_perplexity, finetune_settings, load_schedule, passkey_template_tokens,
-                   run_finetune)
+from .grid import evaluate_passkey, evaluate_perplexity, finetune_settings, load_schedule, run_finetune
 from .map_layout import FACTORS, GRID_RESULTS, SEEDS, Cell, MapConfig, blocks, cells, grid_run
 from .workspace import Workspace, finetune_folder, start
 from ..errors import ArgumentParser, UserError, command
@@ -204,8 +202,7 @@ def main(argv=None) -> int:
         print(f"wrote {path} and its figures from {config.sim.out}")
         return 0
     ws, _gates = start(config.sim, weights(config))
-    template = passkey_template_tokens(corpus_mod.hf_tokenizer(ws.data / "tokenizer"))
-    run_map(ws, config, template)
+    run_map(ws, config, map_report.passkey_floor(ws.out))
     path = map_report.write(config, ws.out, ws.out, list(weights(config)))
     print(map_report.format_check(json.loads(path.read_text())["reproduction"]))
     print(f"wrote {path}, {ws.out / 'passkey.png'} and {ws.out / 'ppl.png'}")

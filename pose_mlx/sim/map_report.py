@@ -2,8 +2,10 @@
 (`pose_mlx.sim.map`) leaves in its --out; unfinished cells are left out, so a report can be made at any time.
 
 results.json: {"config", "base", "gates", "map": {factor: {method: {"passkey": mean over seeds, "ppl": mean,
-"per_seed": {seed: {"ppl", "passkey", "passkey_trials"}}}}}, "reproduction", "complete", "stage_seconds",
-"wall_seconds"}; passkey is the accuracy at the target Lt = f Lc, ppl the perplexity there.
+"per_seed": {seed: {"ppl", "passkey", "passkey_trials"}}}}}, "ranking": {factor: {measure: methods best first}},
+"agreement": {factor: `pose_mlx.sim.agreement.map_agreement` where the real model has that factor},
+"reproduction", "complete", "stage_seconds", "wall_seconds"}; passkey is the accuracy at the target Lt = f Lc, ppl
+the perplexity there.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from ..plots import heatmap, log_ticks
+from .agreement import map_agreement, map_ranking, real_results
+from .corpus import hf_tokenizer
+from .grid import passkey_template_tokens
 from .map_layout import GRID_NAMES, METHODS, Cell, MapConfig, cells
 
 #: Largest relative difference of a perplexity that still reproduces (the grid's reruns agree to ~1e-8).
@@ -31,20 +36,23 @@ def _json(path: Path) -> dict | None:
         return None
 
 
-def cell_scores(cell: Cell, window: int) -> dict | None:
-    """{"ppl", "passkey", "passkey_trials"} at the cell's target (passkey None where the prompt is longer than
-    it), or None while its perplexity is not measured."""
+def passkey_floor(out: Path) -> int:
+    """The shortest length the passkey test fits in: its prompt without filler, in the run's tokenizer."""
+    return passkey_template_tokens(hf_tokenizer(Path(out) / "corpus" / "tokenizer"))
+
+
+def cell_scores(cell: Cell, window: int, floor: int) -> dict | None:
+    """{"ppl", "passkey", "passkey_trials"} at the cell's target, or None while it is not measured (its
+    perplexity, or its passkey where the target is at least `floor`, `passkey_floor`; passkey None where not)."""
     target = cell.factor * window
-    ppl = _json(cell.ppl)
-    if ppl is None:
+    ppl, passkey = _json(cell.ppl), _json(cell.passkey)
+    if ppl is None or (passkey is None and target >= floor):
         return None
     row = {"ppl": next(r["ppl"] for r in ppl["results"] if r["length"] == target), "passkey": None,
            "passkey_trials": 0}
-    passkey = _json(cell.passkey)
     if passkey is not None:
-        found = [a for a in passkey["accuracy"] if a["length"] == target]
-        if found:
-            row.update(passkey=found[0]["accuracy"], passkey_trials=found[0]["trials"])
+        (found,) = [a for a in passkey["accuracy"] if a["length"] == target]
+        row.update(passkey=found["accuracy"], passkey_trials=found["trials"])
     return row
 
 
@@ -55,14 +63,14 @@ def _mean(values: list) -> float | None:
 
 def collect(config: MapConfig, out: Path) -> dict:
     """results.json's "map": every measured cell, means over the seeds measured so far."""
-    table = {}
+    table, floor = {}, passkey_floor(out)
     for factor in config.factors:
         column = {}
         for method in METHODS:
             per_seed = {}
             for seed in config.seeds:
                 cell = next(c for c in cells(config, out, factor, seed) if c.method == method)
-                scores = cell_scores(cell, config.sim.window)
+                scores = cell_scores(cell, config.sim.window, floor)
                 if scores is not None:
                     per_seed[str(seed)] = scores
             if per_seed:
@@ -109,9 +117,10 @@ def reproduction(config: MapConfig, out: Path) -> dict:
     why_not = _comparable(config, grid, out)
     if why_not is not None:
         return {**record, "why_not": why_not}
+    floor = passkey_floor(out)
     for seed in config.seeds:
         for cell in cells(config, out, config.sim.factor, seed):
-            scores = cell_scores(cell, config.sim.window) or {}
+            scores = cell_scores(cell, config.sim.window, floor) or {}
             for measure in ("ppl", "passkey"):
                 theirs = _grid_value(grid, cell.method, seed, measure)
                 if theirs is None:
@@ -157,11 +166,14 @@ def figures(results: dict, config: MapConfig, folder: Path) -> list[Path]:
     table, c = results["map"], config.sim
     columns = [f"{f}x\n{f * c.window}" for f in config.factors]
     seeds = ", ".join(map(str, config.seeds))
+    measured = sum(len(entry["per_seed"]) for column in table.values() for entry in column.values())
+    total = len(config.factors) * len(METHODS) * len(config.seeds)
+    unfinished = "" if results["complete"] else f"\n(unfinished: {measured} of {total} runs measured)"
     trials = c.passkey_trials * len(config.seeds)
     passkey = heatmap(folder / "passkey.png", _grid(table, config, "passkey"), METHODS, columns,
                       f"factor, target Lt (Lc = {c.window})", "method",
                       f"Passkey accuracy at the target: {c.passkey_trials} trials x seeds {seeds} = {trials} per "
-                      "cell", missing="not measured (or the prompt is longer than Lt)",
+                      f"cell{unfinished}", missing="not measured (or the prompt is longer than Lt)",
                       colorbar={"label": "accuracy"})
     ppl = _grid(table, config, "ppl")
     with np.errstate(invalid="ignore"):
@@ -171,7 +183,7 @@ def figures(results: dict, config: MapConfig, folder: Path) -> list[Path]:
     top = max(1.05, float(np.nanmax(ratio))) if np.isfinite(ratio).any() else 2.0
     figure = heatmap(folder / "ppl.png", ratio, METHODS, columns, f"factor, target Lt (Lc = {c.window})",
                      "method", f"Perplexity at the target ({c.eval_docs} test documents, windows {c.eval_stride} "
-                     f"apart), mean of seeds {seeds}", missing="not measured", text=text,
+                     f"apart), mean of seeds {seeds}{unfinished}", missing="not measured", text=text,
                      norm=LogNorm(1.0, top), cmap="RdYlGn_r",
                      colorbar={"label": "perplexity / the best at that factor (log scale)",
                                "ticks": [t for t in log_ticks(1.0, top) if 1.0 <= t <= top], "format": "x{x:g}"})
@@ -196,15 +208,23 @@ def write(config: MapConfig, out: Path, folder: Path, stages: list[str]) -> Path
     table = collect(config, out)
     times = _json(out / "stage_seconds.json") or {}
     results = {"config": _config(config), "base": _json(out / "pretrained" / "pretrain.json"),
-               "gates": _json(out / "gates.json"), "map": table, "reproduction": reproduction(config, out),
-               "complete": all(len(table[str(f)].get(m, {}).get("per_seed", {})) == len(config.seeds)
-                               for f in config.factors for m in METHODS),
-               "stage_seconds": {n: times[n] for n in stages if n in times},
-               "wall_seconds": sum(times[n] for n in stages if n in times)}
+               "gates": _json(out / "gates.json"), "map": table}
+    real, agreement = real_results(), {}
+    for factor in config.factors:  # the factors the real model was run at
+        record = None if real is None else map_agreement(results, real, factor)
+        if record is not None:
+            agreement[str(factor)] = record
+    results.update(
+        ranking={str(f): map_ranking(results, f) for f in config.factors}, agreement=agreement,
+        reproduction=reproduction(config, out),
+        complete=all(len(table[str(f)].get(m, {}).get("per_seed", {})) == len(config.seeds)
+                     for f in config.factors for m in METHODS),
+        stage_seconds={n: times[n] for n in stages if n in times},
+        wall_seconds=sum(times[n] for n in stages if n in times))
     figures(results, config, folder)
     path = folder / "results.json"
     path.write_text(json.dumps(results, indent=1) + "\n")
     return path
 
 
-__all__ = ["PPL_RTOL", "cell_scores", "collect", "figures", "format_check", "reproduction", "write"]
+__all__ = ["PPL_RTOL", "cell_scores", "passkey_floor", "collect", "figures", "format_check", "reproduction", "write"]
