@@ -149,9 +149,10 @@ def build_parser() -> ArgumentParser:
         "and passkey). Every stage is cached in --out; rerun the same command to resume."))
     p.add_argument("--out", help="working folder: every stage's output, results.json, passkey.png, ppl.png "
                                  "(default out/sim-map; with --quick out/sim-map-quick)")
+    default, quick = (",".join(map(str, f)) for f in (FACTORS, QUICK_FACTORS))
     p.add_argument("--factors", help="extension factors f (target f x Lc), comma-separated; each must divide "
                                      "the window methods' sequences per update (default "
-                                     f"{','.join(map(str, FACTORS))}; with --quick {','.join(map(str, QUICK_FACTORS))})")
+                                     f"{default}; with --quick {quick})")
     p.add_argument("--seeds", default=",".join(map(str, SEEDS)),
                    help="fine-tuning and passkey seeds, comma-separated (default %(default)s)")
     p.add_argument("--quick", action="store_true", help="toy sizes (the simulator's --quick): the whole map in "
