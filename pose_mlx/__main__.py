@@ -24,6 +24,7 @@ COMMANDS = {
     "convert": ("pose_mlx.convert", "write an mlx-lm model folder from a GGUF file"),
     "launch": ("pose_mlx.launch", "run a command as data-parallel ranks on this machine"),
     "sim": ("pose_mlx.sim.__main__", "the simulator: pre-train a small model and reproduce the paper's grid"),
+    "sim-map": ("pose_mlx.sim.map", "the simulator's factor map: the real model's methods at 2x-16x, at each target"),
 }
 
 

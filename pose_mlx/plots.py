@@ -251,33 +251,42 @@ def curves(
 
 def heatmap(
     path: str | Path, grid: np.ndarray, row_labels: Sequence[str], col_labels: Sequence[str],
-    xlabel: str, ylabel: str, title: str, missing: str = "no trials",
+    xlabel: str, ylabel: str, title: str, missing: str = "no trials", *, text: Sequence[Sequence[str]] | None = None,
+    norm=None, cmap: str = "RdYlGn", colorbar: dict | None = None,
 ) -> Path:
-    """`grid` (rows x cols, values in [0, 1], NaN = no data) as a red-to-green heatmap with cell values; NaN cells
-    are hatched grey, with a legend key `missing` below the axes (the colormap's middle, 0.5, is a pale yellow
-    close to white: grey alone would be ambiguous).
+    """`grid` (rows x cols, NaN = no data) as a heatmap with cell values; NaN cells are hatched grey, with a legend
+    key `missing` below the axes (the colormap's middle, 0.5, is a pale yellow close to white: grey alone would be
+    ambiguous). By default the values are in [0, 1] on a red-to-green scale and each cell shows its value; `norm`
+    (a matplotlib Normalize, e.g. LogNorm) and `cmap` choose another scale, `text` each cell's words, `colorbar`
+    the keywords of its colour bar (label, ticks, format; given ticks replace the minor ones too).
 
     At least 5 inches wide (the title fits however few lengths there are); saved with a tight bounding box.
     """
+    from matplotlib.colors import Normalize
     from matplotlib.patches import Patch, Rectangle
 
     plt = _pyplot()
     grid = np.asarray(grid, dtype=float)
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.2 + 0.8 * len(col_labels)), 1.2 + 0.45 * len(row_labels)))
-    image = ax.imshow(np.ma.masked_invalid(grid), cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
+    norm = norm if norm is not None else Normalize(0.0, 1.0)
+    tall = 0.45 if text is None else 0.3 * (1 + max(str(t).count("\n") for row in text for t in row))
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.2 + 0.8 * len(col_labels)), 1.2 + tall * len(row_labels)))
+    image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, norm=norm, aspect="auto")
     ax.set_xticks(range(len(col_labels)), col_labels)
     ax.set_yticks(range(len(row_labels)), row_labels)
     empty = dict(facecolor="0.8", edgecolor="0.55", hatch="///", linewidth=0)
     for (i, j), value in np.ndenumerate(grid):
         if np.isfinite(value):  # white on the dark ends of the colormap
-            ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7,
-                    color="white" if value < 0.2 or value > 0.85 else "black")
+            shade = float(norm(value))
+            ax.text(j, i, f"{value:.2f}" if text is None else text[i][j], ha="center", va="center", fontsize=7,
+                    color="white" if shade < 0.2 or shade > 0.85 else "black")
         else:
             ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, **empty))
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
-    fig.colorbar(image, ax=ax)
+    bar = fig.colorbar(image, ax=ax, **(colorbar or {}))
+    if "ticks" in (colorbar or {}):
+        bar.ax.minorticks_off()
     fig.tight_layout()
     if not np.isfinite(grid).all():  # the key, below everything the axes draws (its tick labels and x label)
         fig.canvas.draw()

@@ -13,6 +13,7 @@ from _finetune_helpers import text_dir, tiny_model  # noqa: F401
 from pose_mlx import convert, demo, finetune, generate, launch, plan
 from pose_mlx.eval import passkey, perplexity, ruler
 from pose_mlx.sim import __main__ as sim
+from pose_mlx.sim import map as sim_map
 
 
 def _coverage_tool():
@@ -246,6 +247,10 @@ CASES += [
     ("parent-file-ruler-output", ruler.main, ["--model", "{model}", "--output", "{bin}/r.json"], "--output"),
     ("parent-file-convert-out", convert.main, ["{bin}", "{bin}/converted"], "{bin} is a file, not a folder"),
     ("parent-file-sim-out", sim.main, ["--quick", "--out", "{bin}/sim"], "--out"),
+    ("parent-file-sim-map-out", sim_map.main, ["--quick", "--out", "{bin}/map"], "--out"),
+    ("sim-map-out-is-file", sim_map.main, ["--quick", "--out", "{bin}"], "is a file; choose a folder name"),
+    ("parent-file-sim-map-report", sim_map.main, ["--quick", "--out", "{out}/map", "--report", "{bin}/r"],
+     "--report"),
     ("parent-file-demo-out", demo.main, ["--out", "{bin}/demo"], "--out"),
     ("parent-file-coverage-out", coverage_tool.main, ["--out", "{bin}/cov"], "--out"),
 ]
@@ -273,6 +278,7 @@ CASES += [
         ("convert-gguf", convert.main, ["{root}/@.gguf", "{out}/c"], "is not valid UTF-8"),
         ("sim-out", sim.main, ["--quick", "--out", "{out}/@sim"], "--out"),
         ("sim-corpus", sim.main, ["--quick", "--out", "{out}/sim", "--corpus", "{root}/@"], "--corpus"),
+        ("sim-map-out", sim_map.main, ["--quick", "--out", "{out}/@map"], "--out"),
         ("demo-out", demo.main, ["--out", "{out}/@demo"], "--out"),
         ("demo-model", demo.main, ["--out", "{out}/demo", "--model", "{root}/@"], "--model"),
         ("coverage-out", coverage_tool.main, ["--out", "{out}/@cov"], "--out"),
@@ -386,7 +392,7 @@ def test_other_exceptions_keep_their_traceback(tiny_model, tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize("module", ["convert", "demo", "finetune", "launch", "passkey", "perplexity", "plan", "ruler",
-                                    "sim.__main__"])
+                                    "sim.__main__", "sim.map"])
 def test_every_command_prints_its_help(module, capsys):
     """`--help` of every command exits 0 and lists flags (argparse expands "%" in help strings: a stray one
     crashes --help, as "95% interval" once did in the simulator's)."""

@@ -135,6 +135,24 @@ def test_heatmap_without_empty_cells_has_no_key(tmp_path, saved):
     assert not fig.legends and not [p for p in fig.axes[0].patches if p.get_hatch()]
 
 
+def test_heatmap_text_norm_and_colour_bar(tmp_path, saved):
+    from matplotlib.colors import LogNorm
+
+    # the factor map's perplexity figure: colour = ratio to the column's best on a log scale, words of our own
+    ratio = np.array([[1.0, 1.5], [2.0, np.nan]])
+    text = [["8.0\nx1.00", "12.0\nx1.50"], ["16.0\nx2.00", ""]]
+    fig = _heatmap_figure(tmp_path, saved, ratio, text=text, norm=LogNorm(1.0, 2.0), cmap="RdYlGn_r",
+                          colorbar={"label": "ratio", "ticks": [1.0, 1.5, 2.0], "format": "x{x:g}"})
+    ax, bar = fig.axes
+    assert sorted(t.get_text() for t in ax.texts) == sorted(t for row in text for t in row if t)
+    image = ax.get_images()[0]
+    colours = image.to_rgba(np.array([1.0, np.sqrt(2.0), 2.0]))
+    assert colours[0][1] > colours[0][0] and colours[2][0] > colours[2][1]  # best green, worst red (reversed)
+    assert image.norm(np.sqrt(2.0)) == pytest.approx(0.5)  # the middle of the log scale
+    assert [t.get_text() for t in bar.get_yticklabels()] == ["x1", "x1.5", "x2"]  # no minor labels between
+    assert bar.get_ylabel() == "ratio"
+
+
 def _benchmark(name):
     import importlib
 

@@ -5,15 +5,12 @@ from __future__ import annotations
 import json
 import shlex
 import shutil
-import signal
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from mlx_lm.utils import load_tokenizer
 
-from . import SHIPPED_BASE
 from . import corpus as corpus_mod
 from . import finetune_data, gates, position_nll
 from .agreement import agreement, real_results
@@ -21,13 +18,11 @@ from .claims import check_claims, seed_statistics
 from .config import SimConfig, parse_config
 from .grid import (RULER_RUNS, RULER_TASKS, Run, collect, evaluate_passkey, evaluate_perplexity, evaluate_ruler,
                    finetune_settings, grid_runs, load_schedule, passkey_template_tokens, ruler_lengths, run_finetune)
-from .pretrain import made_with, pretrain, reuse_base
 from .report import plots, write_report
-from .stages import Stages
-from ..errors import Stopped, UserError, command
-from ..files import replace_dir
+from .workspace import Workspace, finetune_folder, start
+from ..errors import UserError, command
 from ..training.data import required_length
-from ..training.loop import Interrupted
+
 
 #: Runs trained with every seed of --seeds (claim b compares them); the others use --seed only.
 SEEDED = tuple(f"{m}-{s}" for m in ("pose", "full") for s in ("linear", "ntk", "yarn"))
@@ -82,89 +77,6 @@ def _weights(config: SimConfig, runs: list[Run]) -> dict[str, float]:
         if not run.cost_only:
             w[f"nll {run.name}"] = config.test_docs * config.test_tokens / 2 + 1
     return w
-
-
-@dataclass
-class Workspace:
-    """One simulator run: its settings, its folders under --out, its stages, and the earlier run's results that
-    --reuse-results takes instead of running them again (`prior`)."""
-
-    config: SimConfig
-    out: Path
-    stages: Stages
-    prior: dict = field(default_factory=dict)
-
-    @property
-    def data(self) -> Path:
-        """The corpus: tokenizer/, train/, val/, test/ and corpus.json."""
-        return self.out / "corpus"
-
-    @property
-    def cache(self) -> Path:
-        return self.out / "cache"
-
-    @property
-    def model(self) -> Path:
-        """The pre-trained base."""
-        return self.out / "pretrained"
-
-    def take(self, stage: str) -> None:
-        """Stage `stage`'s output taken from --reuse-results, with the time the earlier run recorded for it."""
-        self.stages.reuse(stage, self.prior.get("stage_seconds", {}).get(stage), self.config.reuse_results)
-
-
-def _build_corpus(config: SimConfig, out: Path, created: bool) -> None:
-    """The corpus built aside and moved into place: a refused corpus leaves nothing behind (nor --out, when this
-    run `created` it)."""
-    building, data = out / ".corpus.tmp", out / "corpus"
-    shutil.rmtree(building, ignore_errors=True)
-    try:
-        corpus_mod.build_corpus(building, config.corpus, config.corpus_chars, config.test_docs,
-                                config.test_tokens, config.val_fraction, config.vocab, config.seed,
-                                corpus_mod.resolve_prose(config.prose, config.corpus))
-    except BaseException as error:
-        shutil.rmtree(building, ignore_errors=True)
-        if created:  # this run made --out, and nothing is in it yet
-            shutil.rmtree(out, ignore_errors=True)
-        if isinstance(error, ValueError):  # --corpus empty, too few or too short documents
-            raise UserError(error) from None
-        raise
-    replace_dir(building, data)  # over a corpus without corpus.json: left by a killed run
-
-
-def _pretrain(ws: Workspace, made: dict) -> None:
-    """The pre-training stage; a signal stops it after a checkpoint, which the rerun resumes."""
-    c, data = ws.config, ws.data
-    try:
-        pretrain(ws.model, data / "tokenizer", data / "train", data / "val", ws.cache,
-                 retrieval_fraction=c.retrieval_fraction, window=c.window, base=c.base, hidden=c.hidden,
-                 layers=c.layers, heads=c.heads, ffn=c.ffn, steps=c.pretrain_steps, batch=c.pretrain_batch,
-                 lr=c.pretrain_lr, seed=c.seed, made=made)
-    except Interrupted as stop:
-        raise Stopped(stop.signum, f"pre-training stopped by {signal.Signals(stop.signum).name}; checkpoint "
-                                   f"saved at step {stop.step}; rerun the same command to resume") from None
-
-
-def _base_model(ws: Workspace) -> None:
-    """The base at `ws.model`: --pretrained's copy when it was made alike, else pre-trained here."""
-    made = made_with(ws.config.to_dict(), ws.data)
-    if not (ws.model / "pretrain.json").is_file() and ws.config.pretrained != "none":
-        _use_pretrained(ws.config.pretrained, ws.model, made)
-    ws.stages.run("pretrain", lambda: (ws.model / "pretrain.json").is_file(), lambda: _pretrain(ws, made))
-
-
-def _measure_gates(ws: Workspace, path: Path) -> None:
-    c = ws.config
-    record = gates.measure(ws.model, ws.data / "train", ws.data / "test", ws.cache, c.window, c.target, c.seed,
-                           ws.out / "eval" / "base.passkey-gate.json")
-    path.write_text(json.dumps(record, indent=1) + "\n")
-
-
-def _gates(ws: Workspace) -> dict:
-    """The base's gates (`pose_mlx.sim.gates`), measured once into gates.json."""
-    path = ws.out / "gates.json"
-    ws.stages.run("gates", path.is_file, lambda: _measure_gates(ws, path))
-    return json.loads(path.read_text())
 
 
 def _evaluate(ws: Workspace, run: Run, folder: Path, ppl_json: Path, passkey_json: Path, keys: list[int]) -> None:
@@ -234,13 +146,8 @@ def _ruler(ws: Workspace, name: str) -> dict:
 def _finetune_data(ws: Workspace, runs: list[Run]) -> dict[int, Path]:
     """{example length: data folder}: the training split plus retrieval documents of that length
     (`pose_mlx.sim.finetune_data`), one folder per example length a grid run needs."""
-    c, folders = ws.config, {}
-    for length in sorted({_example_length(c, r) for r in runs if not r.cost_only} - {None}):
-        folder = folders[length] = ws.out / "finetune-data" / str(length)
-        ws.stages.run(f"finetune data {length}", lambda: (folder / finetune_data.RETRIEVAL_FILE).is_file(),
-                      lambda: finetune_data.build(folder, ws.data / "train", load_tokenizer(ws.model), ws.cache,
-                                                  length, c.finetune_retrieval, c.seed))
-    return folders
+    return {length: finetune_folder(ws, length)
+            for length in sorted({_example_length(ws.config, r) for r in runs if not r.cost_only} - {None})}
 
 
 def _measure_nll(ws: Workspace, run: Run, output: Path, docs: list) -> None:
@@ -265,19 +172,6 @@ def _position_curves(ws: Workspace, runs: list[Run]) -> dict:
         ws.stages.run(f"nll {run.name}", output.is_file, lambda: _measure_nll(ws, run, output, docs))
         curves[run.name] = json.loads(output.read_text())
     return curves
-
-
-def _use_pretrained(pretrained: str, model: Path, made: dict) -> None:
-    """--pretrained: copy the base it names to `model` when it was `made` alike, so the pre-training stage is
-    cached; a folder that does not match is the user's error, the shipped base that does not is skipped."""
-    source = SHIPPED_BASE if pretrained == "shipped" else Path(pretrained)
-    why_not = reuse_base(source, model, made, name="shipped" if pretrained == "shipped" else None)
-    if why_not is None:
-        print(f"pretrain: the base in {source} was made with these settings on this corpus; using it", flush=True)
-    elif pretrained == "shipped":
-        print(f"pretrain: not using the shipped base ({why_not})", flush=True)
-    else:
-        raise UserError(f"--pretrained {source}: {why_not}")
 
 
 def _base_record(record: dict) -> dict:
@@ -365,16 +259,10 @@ def _record_time(ws: Workspace, results: dict, this_process: float) -> None:
 def main(argv=None) -> int:
     t0 = time.perf_counter()
     config = parse_config(argv)  # every setting checked before anything is created
-    out = Path(config.out)
-    created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
     runs = grid_runs(config.factor)
-    ws = Workspace(config, out, Stages(_weights(config, runs), record=out / "stage_seconds.json"))
-    ws.stages.run("corpus", lambda: (ws.data / "corpus.json").is_file(),
-                  lambda: _build_corpus(config, out, created))
-    tokenizer = corpus_mod._hf_tokenizer(ws.data / "tokenizer")
-    _base_model(ws)
-    base_gates = _gates(ws)
+    ws, base_gates = start(config, _weights(config, runs))
+    out = ws.out
+    tokenizer = corpus_mod.hf_tokenizer(ws.data / "tokenizer")
     template = passkey_template_tokens(tokenizer)
     results = _start_results(ws, argv, base_gates, template)
     if config.reuse_results:

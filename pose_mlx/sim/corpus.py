@@ -41,7 +41,7 @@ def _write(folder: Path, texts: list[str]) -> None:
         (folder / f"{i:05d}.txt").write_text(text, encoding="utf-8")
 
 
-def _hf_tokenizer(folder: Path):
+def hf_tokenizer(folder: Path):
     return Tokenizer.from_file(str(folder / "tokenizer.json"))
 
 
@@ -106,7 +106,7 @@ def build_corpus(folder: Path, source: str | None, max_chars: int | None, test_d
         texts += _read(prose, max_chars, skipped)
     splits = split_documents(texts, test_docs, val_fraction, seed)
     toy.train_tokenizer(splits["train"], folder / "tokenizer", vocab)
-    tokenizer = _hf_tokenizer(folder / "tokenizer")
+    tokenizer = hf_tokenizer(folder / "tokenizer")
     test = [cut_to_tokens(tokenizer, t, test_tokens) for t in splits["test"]]
     if any(t is None for t in test):
         short = min(len(tokenizer.encode(t, add_special_tokens=False).ids) for t in splits["test"])
