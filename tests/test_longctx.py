@@ -83,7 +83,7 @@ def test_check_memory_refuses_or_warns_above_what_the_machine_offers(tmp_path, m
     import pose_mlx.memory as memory
 
     info = longctx.load_eval_model(str(make_eval_folder(tmp_path / "m", max_position_embeddings=64)))
-    monkeypatch.setattr(memory, "available_memory", lambda: (10_000, "test"))
+    monkeypatch.setattr(memory.device, "available_memory", lambda: (10_000, "test"))
     with pytest.raises(UserError, match=r"more than the 9.77 KiB this machine offers \(test\)"):
         longctx.check_memory(info, [64, 4096], chunk=64)
     described, peak = longctx.check_memory(info, [4096], chunk=64, force=True)

@@ -478,3 +478,18 @@ def test_gpu_eval_prediction_holds_the_h200_measurement():
     assert 1.0 <= gpu / 23.1e6 <= 1.10 and abs(cpu / 11.6e6 - 1) < 0.01
     fused = memory.eval_memory({**config, "torch_dtype": "bfloat16"}, 1024, 256, cpu_attention=False, backend="cuda")
     assert fused.breakdown["attention_scores"] == 0  # cuDNN's forward keeps no scores
+
+
+def test_the_package_exports_every_public_name_of_its_modules():
+    """`from pose_mlx.memory import X` works for each public function, class and constant of its five modules (what
+    code, tests and benchmarks import), and names the same object as the module that defines it."""
+    import inspect
+
+    for name in ("architecture", "training", "device", "plan", "evaluation"):
+        module = importlib.import_module(f"pose_mlx.memory.{name}")
+        public = [k for k, v in vars(module).items() if not k.startswith("_") and k.isupper()
+                  or (inspect.isfunction(v) or inspect.isclass(v)) and v.__module__ == module.__name__
+                  and not k.startswith("_")]
+        assert public, name
+        for key in public:
+            assert getattr(memory, key) is getattr(module, key), f"pose_mlx.memory lacks {name}.{key}"

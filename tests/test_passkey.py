@@ -184,7 +184,7 @@ def test_interrupted_run_takes_up_its_finished_trials(tiny, tmp_path, capsys, mo
 
 def test_cli_default_lengths_and_bad_inputs(tiny, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the default --output is written in the current folder
-    monkeypatch.setattr("pose_mlx.memory.available_memory", lambda: (2**30, "a 1 GiB test machine"))
+    monkeypatch.setattr("pose_mlx.memory.device.available_memory", lambda: (2**30, "a 1 GiB test machine"))
     folder = tiny[0]
     assert passkey.main(["--model", str(folder), "--trials", "1", "--no-progress"]) == 0
     out = capsys.readouterr().out

@@ -174,7 +174,7 @@ def _fails(capsys, argv, fragment):
 
 
 def test_cli_bad_inputs(folder, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("pose_mlx.memory.available_memory", lambda: (2**30, "a 1 GiB test machine"))
+    monkeypatch.setattr("pose_mlx.memory.device.available_memory", lambda: (2**30, "a 1 GiB test machine"))
     data = _corpus(tmp_path, n_docs=1, sentences=5)
     base = ["--model", str(folder), "--data", str(data), "--no-progress"]
     _fails(capsys, base + ["--lengths", "4k"], "the longest has")

@@ -441,7 +441,7 @@ def test_model_without_tokenizer_is_one_line(tmp_path, capsys, monkeypatch):
 def test_memory_above_ram_needs_force(tiny, tmp_path, capsys, monkeypatch):
     import pose_mlx.memory as memory
 
-    monkeypatch.setattr(memory, "available_memory", lambda: (10_000, "test"))
+    monkeypatch.setattr(memory.device, "available_memory", lambda: (10_000, "test"))
     _fails_cleanly(["--model", str(tiny[0]), "--lengths", "1k"], tmp_path, capsys, monkeypatch, "--force")
 
 

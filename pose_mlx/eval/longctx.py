@@ -235,7 +235,7 @@ def check_memory(info: "EvalModel", lengths: list[int], chunk: int, force: bool 
     total = estimate.peak + estimate.details["numpy_bytes"]
     described = (f"{memory.format_size(total)} at {max(lengths)} tokens ("
                  + ", ".join(f"{k} {memory.format_size(v)}" for k, v in parts.items()) + ")")
-    available, where = memory.available_memory()
+    available, where = memory.device.available_memory()
     if total > available:
         message = (f"--lengths: evaluation needs about {described}, more than the {memory.format_size(available)} this "
                    f"machine offers ({where}); use shorter --lengths or a smaller --chunk (or --force)")
