@@ -493,3 +493,21 @@ def test_the_package_exports_every_public_name_of_its_modules():
         assert public, name
         for key in public:
             assert getattr(memory, key) is getattr(module, key), f"pose_mlx.memory lacks {name}.{key}"
+
+
+def test_gpu_factors_never_predict_below_a_committed_gpu_measurement():
+    """Every peak that benchmarks/bench_gpu.py measured (benchmarks/results/gpu/gpu.json: the Llama-2-7B shape,
+    bfloat16, LoRA rank 8 on every block, rows aligned to 128 inputs by --align-rows auto) is at most the planner's
+    prediction with today's `GPU_FACTORS` (the settings rebuilt: the parts no factor scales are the file's);
+    docs/memory.md says which measurement each factor comes from."""
+    record = json.loads((ROOT / "benchmarks" / "results" / "gpu" / "gpu.json").read_text())
+    config = {**LLAMA2_7B, "torch_dtype": record["model"]["dtype"]}
+    measured = [p for p in record["plan"] if p.get("measured_bytes")]
+    assert len(measured) >= 2
+    for entry in measured:
+        settings = _gpu_settings(compile=entry["compiled"], grad_checkpoint=entry["grad_checkpoint"],
+                                 window=record["config"]["window"], row_multiple=128)
+        estimate = memory.training_memory(config, settings)
+        for part in ("weights", "lora_adapters", "optimizer_state"):
+            assert estimate.breakdown[part] == entry["breakdown"][part], (entry["config"], part)
+        assert estimate.peak >= entry["measured_bytes"], entry["config"]

@@ -174,9 +174,18 @@ def attention_path(arch: Architecture, settings: TrainSettings) -> str:
 
 #: On a GPU, arrays that the CPU evaluator frees at once are kept until the kernels queued with them have run, so
 #: more activations and temporaries are alive: (compile, grad_checkpoint) -> factor on those (not on the weights,
-#: the optimizer state or the score matrices). Fitted to one H200 measurement each (Llama-2-7B shape, bfloat16,
-#: LoRA, checkpointing, 4k window: compiled 31.4 GiB, eager 55.9 GiB) with a margin; the modes without
-#: checkpointing were not measured and take the eager factor.
+#: the optimizer state or the score matrices). Not derived: fitted, each to the measured peak of one configuration
+#: of a random Llama-2-7B-shaped bfloat16 llama (LoRA rank 8 on every block, 4096 window, target 32k) on an
+#: NVIDIA H200 (mlx-cuda 0.32.4, 2026-11-26); the factor that reproduces a measurement exactly is the one this
+#: table's terms need, rounded up for a margin (docs/memory.md, "GPU factors", has the numbers):
+#: - (True, True) 2.15: compiled, checkpointed, 4095-input rows: 31.4 GiB, i.e. 2.07. Measured in a session before
+#:   benchmarks/bench_gpu.py existed: in no results file (gpu.json's run of it ran out of the shared GPU's memory).
+#: - (False, True) 1.08: eager, checkpointed: 55.9 GiB at 4095 inputs (that session), i.e. 1.04, and 53.2 GiB at
+#:   4096 (benchmarks/results/gpu/gpu.json, `plan` "eager, checkpointing"), i.e. 1.05.
+#: - (True, False) 1.08: assumed as eager; gpu.json's "compiled, no checkpointing" (51.7 GiB) implies 0.80, so it
+#:   errs 26% high, kept on the safe side until a second measurement agrees.
+#: - (False, False) 1.08: assumed as eager; never measured (gpu.json skipped it for time).
+#: A bench_gpu.py run alone on a GPU, another model shape, dtype or MLX version would refit them.
 GPU_FACTORS = {(True, True): 2.15, (True, False): 1.08, (False, True): 1.08, (False, False): 1.08}
 TRANSIENT = ("activations", "logits", "backward_temporaries", "update_temporaries")
 
