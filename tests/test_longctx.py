@@ -88,7 +88,9 @@ def test_check_memory_refuses_or_warns_above_what_the_machine_offers(tmp_path, m
         longctx.check_memory(info, [64, 4096], chunk=64)
     described, peak = longctx.check_memory(info, [4096], chunk=64, force=True)
     assert "warning" in capsys.readouterr().err and "at 4096 tokens" in described
-    estimate = memory.eval_memory(info.config, 4096, 64)  # MLX's peak and, on the CPU path, NumPy's score tiles
+    # MLX's peak and, on the CPU path, NumPy's score tiles; the folder's weights are float32 (its config names no
+    # dtype: the memory check reads the safetensors headers)
+    estimate = memory.eval_memory({**info.config, "torch_dtype": "float32"}, 4096, 64)
     assert described.startswith(memory.format_size(estimate.peak + estimate.details["numpy_bytes"]) + " at 4096")
     assert peak == estimate.peak
 

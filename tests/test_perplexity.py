@@ -130,7 +130,8 @@ def test_scoring_runs_with_mlx_cache_held_to_the_predicted_peak(folder, tmp_path
                    "16", "--docs", "2", "--output", str(tmp_path / "p.json"), "--no-progress"])
     assert rc == 0
     info = longctx.load_eval_model(str(folder))
-    assert seen == [memory.eval_memory(info.config, 64, longctx.DEFAULT_CHUNK).peak]
+    stored = {**info.config, "torch_dtype": "float32"}  # the folder's weights (its config names no dtype)
+    assert seen == [memory.eval_memory(stored, 64, longctx.DEFAULT_CHUNK).peak]
     assert mx.set_cache_limit(before) == before
 
 

@@ -54,6 +54,8 @@ class EvalModel:
     maximum: int  # the window the model claims (the target of an extension, or max_position_embeddings)
     schedule: str  # e.g. "none", "linear x8 (from pose_mlx.json)", "yarn x4 (--schedule, no training)"
     config: dict  # the model's configuration (what the memory model reads)
+    ref: source.ModelRef | None = None  # where it was loaded from (the memory model reads a GGUF file's or a
+    # folder's stored dtype there)
 
     @property
     def name(self) -> str:
@@ -83,7 +85,7 @@ def load_eval_model(reference: str, schedule: str | None = None, target: str | N
     extension = getattr(model, "pose_extension", None)
     if extension is not None and not (schedule or target):
         return EvalModel(model, tokenizer, str(ref.path), extension.original, extension.target,
-                         f"{extension.schedule} x{extension.factor:g} (from pose_mlx.json)", config)
+                         f"{extension.schedule} x{extension.factor:g} (from pose_mlx.json)", config, ref)
     if extension is not None and extension.schedule != "none":
         raise UserError(f"--schedule/--target: {reference} is already extended ({extension.schedule}); drop them")
     base = int(original or (extension.original if extension is not None else cfg_original) or 0)
@@ -100,11 +102,11 @@ def load_eval_model(reference: str, schedule: str | None = None, target: str | N
             extend(model, name, base, length)
         how = "after plain fine-tuning" if extension is not None else "no training"
         return EvalModel(model, tokenizer, str(ref.path), base, length,
-                         f"{name} x{length / base:g} (--schedule, {how})", config)
+                         f"{name} x{length / base:g} (--schedule, {how})", config, ref)
     maximum = config.get("max_position_embeddings") or base
     if not base or not maximum:
         raise UserError("--model: the config does not say the model's window; pass --original (and --lengths)")
-    return EvalModel(model, tokenizer, str(ref.path), base, int(maximum), "as configured", config)
+    return EvalModel(model, tokenizer, str(ref.path), base, int(maximum), "as configured", config, ref)
 
 
 def _target_length(text: str, original: int) -> int:
@@ -228,7 +230,8 @@ def check_memory(info: "EvalModel", lengths: list[int], chunk: int, force: bool 
     one chunk's scores, logits - every position's, or the last one's when not `all_logits` - and activations)
     against the memory this machine offers: UserError above it, or only a warning with `force`. Returns the
     prediction in words and the predicted peak of MLX's allocator in bytes (what `cache_held_to` takes)."""
-    estimate = memory.eval_memory(info.config, max(lengths), chunk, all_logits=all_logits)
+    arch = memory.loaded_architecture(info.config, info.ref)  # the dtype as loaded, not only as configured
+    estimate = memory.eval_memory(arch, max(lengths), chunk, all_logits=all_logits)
     parts = {k.replace("_", " "): v for k, v in estimate.breakdown.items() if v}
     if estimate.details["numpy_bytes"]:
         parts["attention tiles (NumPy)"] = estimate.details["numpy_bytes"]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 
 from ..errors import UserError
 from ..model.gguf import read_header
+from ..model.stored import stored_dtype
 from .device import compute_backend
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
@@ -176,7 +177,7 @@ def _dtype(config: dict) -> tuple[str, str | None]:
     """(dtype, warning) from torch_dtype / dtype; 16-bit with a warning when absent."""
     raw = config.get("torch_dtype") or config.get("dtype")
     if raw is None:
-        return "float16", "config.json names no torch_dtype; assuming 16-bit weights"
+        return "float16", "config.json names no torch_dtype (or dtype); assuming 16-bit weights"
     name = str(raw).replace("torch.", "")
     if name not in DTYPE_BYTES:
         raise UserError(f"config.json: torch_dtype {raw!r} is not one of {', '.join(DTYPE_BYTES)}")
@@ -270,10 +271,18 @@ def gguf_loaded(arch: Architecture, tensors, backend: str) -> Architecture:
 def loaded_architecture(config: dict, ref=None, backend: str | None = None) -> Architecture:
     """The shapes of `config` with the dtype and weight bytes the model has once loaded on `backend` (default:
     MLX's, `compute_backend`): a GGUF file (`ref` a `pose_mlx.model.source.ModelRef`) as `gguf_loaded` says; a
-    model folder as its config says (mlx-lm keeps the stored dtype and quantization)."""
+    model folder as stored (mlx-lm keeps the stored dtype and quantization): its config's torch_dtype (or dtype),
+    else the dtype its safetensors headers give (`pose_mlx.model.stored.stored_dtype`)."""
     arch = architecture(config)
-    if ref is None or not getattr(ref, "is_gguf", False):
+    if ref is None:
         return arch
-    header = read_header(ref.path)
-    return gguf_loaded(arch, [(t.type_name, t.shape) for t in header.tensors.values()],
-                       backend or compute_backend())
+    if getattr(ref, "is_gguf", False):
+        header = read_header(ref.path)
+        return gguf_loaded(arch, [(t.type_name, t.shape) for t in header.tensors.values()],
+                           backend or compute_backend())
+    if config.get("torch_dtype") or config.get("dtype") or ref.config_file is not None or not ref.path.is_dir():
+        return arch
+    dtype = stored_dtype(ref.path)
+    if dtype is None:
+        return arch
+    return replace(arch, dtype=dtype, warnings=tuple(w for w in arch.warnings if "torch_dtype" not in w))
