@@ -93,11 +93,11 @@ def test_announce_says_the_model_and_returns_the_output_path(tmp_path, monkeypat
     opening = open_evaluation("kind", Settings(model=str(folder), lengths="32"), answer=0)
     expected, _ = longctx.check_memory(opening.info, [32], longctx.DEFAULT_CHUNK, all_logits=False)
     capsys.readouterr()
-    assert opening.announce("note one", "note two") == Path("kind-tiny.json")
+    assert opening.announce("note one", "note two") == folder / "eval" / "kind-32.json"
     assert capsys.readouterr().err.splitlines() == [
         f"model {folder}: schedule as configured; original window 64, max 64; note one; note two; "
         f"memory estimate {expected}",
-        "no --output given: writing kind-tiny.json"]
+        f"no --output given: writing {folder / 'eval' / 'kind-32.json'}"]
     given = tmp_path / "out" / "r.json"
     opening = open_evaluation("kind", Settings(model=str(folder), output=str(given)), answer=0)
     capsys.readouterr()

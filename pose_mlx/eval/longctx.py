@@ -287,6 +287,7 @@ class EvalSettings:
     original: int | None = None
     chunk: int = DEFAULT_CHUNK
     force: bool = False
+    overwrite: bool = False
     no_progress: bool = False
 
 
@@ -298,7 +299,8 @@ def settings_defaults(settings: type) -> dict:
 
 def eval_parser(prog: str, description: str) -> ArgumentParser:
     """The evaluators' shared flags (`EvalSettings`): --model, --schedule (--scaling), --target, --original,
-    --chunk, --force, --no-progress; each command sets the defaults from its settings (`settings_defaults`)."""
+    --chunk, --force, --overwrite, --no-progress; each command sets the defaults from its settings
+    (`settings_defaults`)."""
     parser = ArgumentParser(prog=prog, description=description)
     parser.add_argument("--model", required=True, help="model folder (e.g. written by pose_mlx.finetune), .gguf "
                                                        "file, Hugging Face hub id, or an alias of pose_mlx.finetune")
@@ -311,6 +313,9 @@ def eval_parser(prog: str, description: str) -> ArgumentParser:
     parser.add_argument("--chunk", type=int,
                         help=f"tokens per prefill chunk (memory ~ chunk x length; default {DEFAULT_CHUNK})")
     parser.add_argument("--force", action="store_true", help="run even when the memory estimate exceeds the RAM")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the results at --output (refused by default), or at the default name (by "
+                             "default a taken name gets -2, -3, ...)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     return parser
 
@@ -326,17 +331,8 @@ def resolve_lengths(arg: str | None, info: EvalModel) -> list[int]:
     return parse_lengths(arg, info.original) if arg else default_lengths(info.original, info.maximum)
 
 
-def default_output(kind: str, info: EvalModel, given: str | None) -> Path:
-    """`--output`, or `<kind>-<model name>.json` in the current folder (said on stderr)."""
-    if given:
-        return Path(given)
-    path = Path(f"{kind}-{info.name}.json")
-    print(f"no --output given: writing {path}", file=sys.stderr)
-    return path
-
-
 __all__ = [
     "DEFAULT_CHUNK", "EvalModel", "EvalSettings", "bos_id", "cache_held_to", "check_chunk", "check_memory",
-    "chunked_logits", "chunked_nll", "default_output", "encode", "eval_parser", "load_eval_model", "prefill",
+    "chunked_logits", "chunked_nll", "encode", "eval_parser", "load_eval_model", "prefill",
     "resolve_lengths", "settings_defaults",
 ]

@@ -246,7 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, help="seed of the keys and random depths (default 0)")
     parser.add_argument("--output",
                         help="write JSON results here (and <stem>_accuracy.png, <stem>_heatmap.png next to it; "
-                             "default passkey-<model name>.json)")
+                             "default: passkey-<lengths>-<N>trials.json in the model's results folder, see "
+                             "docs/evaluation.md)")
     parser.set_defaults(**longctx.settings_defaults(PasskeySettings))
     return parser
 
@@ -285,9 +286,11 @@ def run(args: PasskeySettings) -> list[dict]:
                               answer=MAX_NEW_TOKENS)  # the prompt and the answer in the cache
     info, lengths = opening.info, opening.lengths
     build_prompt(info.tokenizer, longctx.bos_id(info.tokenizer), min(lengths), 0.5, 99_999)  # template fits?
-    out = opening.announce()
-    log = RecordLog(out, {"model": str(info.path), "schedule": info.schedule, "lengths": lengths,
-                          "trials": args.trials, "depths": args.depths, "seed": args.seed}, Trial)
+    header = {"model": str(info.path), "schedule": info.schedule, "lengths": lengths, "trials": args.trials,
+              "depths": args.depths, "seed": args.seed}
+    out = opening.announce(details=(f"{args.trials}trials", f"seed{args.seed}" if args.seed else "",
+                                    f"depths{args.depths}" if args.depths else ""), header=header)
+    log = RecordLog(out, header, Trial)
     with log.resumed("passkey", "trials", args.trials * len(lengths)) as done, opening.held():
         trials, generator = run_passkey(info.model, info.tokenizer, lengths, args.trials, args.depths, args.seed,
                                         args.chunk, not args.no_progress, done=done, on_trial=log.append)

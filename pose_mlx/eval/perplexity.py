@@ -15,6 +15,7 @@ import json
 import math
 import sys
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Iterable
 
 import numpy as np
@@ -158,8 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "default: the longest length - 1, so every length scores the same tokens; give the "
                              "same value to separate runs of different lengths to score the same tokens)")
     parser.add_argument("--no-truncate", action="store_true", help="score whole documents")
-    parser.add_argument("--output", help="write JSON results here (and a PNG next to it; default "
-                                          "perplexity-<model name>.json)")
+    parser.add_argument("--output", help="write JSON results here (and a PNG next to it; default: "
+                                          "perplexity-<lengths>-<data>.json in the model's results folder, see "
+                                          "docs/evaluation.md)")
     parser.set_defaults(**longctx.settings_defaults(PerplexitySettings))
     return parser
 
@@ -194,7 +196,7 @@ def run(args: PerplexitySettings) -> list[LengthResult]:
         print(f"note: {len(docs)} document(s) of --data have at least {min_tokens} tokens, fewer than the --docs "
               f"{args.docs} asked for; scoring those", file=sys.stderr)
     bos = longctx.bos_id(info.tokenizer)
-    out = opening.announce()
+    out = opening.announce(details=(Path(str(args.data).rstrip("/")).stem,))
     with opening.held():
         results = perplexity(info.model, docs, lengths, args.stride, bos, args.chunk, not args.no_progress)
     print(f"{METRIC}; stride {args.stride}; {len(docs)} documents")

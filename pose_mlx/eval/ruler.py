@@ -284,7 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-chat", action="store_true",
                         help="plain prompts even when the tokenizer has a chat template")
     parser.add_argument("--output",
-                        help="JSON results (default ruler-<model name>.json here), and <stem>_heatmap.png next to it")
+                        help="JSON results, and <stem>_heatmap.png next to it (default: "
+                             "ruler-<lengths>-<N>samples.json in the model's results folder, see docs/evaluation.md)")
     parser.set_defaults(**longctx.settings_defaults(RulerSettings))
     return parser
 
@@ -334,6 +335,14 @@ def check_lengths(builder: PromptBuilder, tasks: list[str], lengths: list[int]) 
                         "longer --lengths or drop these from --tasks")
 
 
+def _tasks_name(tasks: list[str]) -> str:
+    """The tasks' part of a default output name: "" for all of them, their names joined by "+" when short."""
+    if tasks == list(TASKS):
+        return ""
+    joined = "+".join(tasks)
+    return joined if len(joined) <= 40 else f"{len(tasks)}tasks"
+
+
 @command("pose_mlx.ruler")
 def main(argv=None) -> int:
     run(RulerSettings(**vars(build_parser().parse_args(argv))))
@@ -350,11 +359,12 @@ def run(args: RulerSettings) -> RulerRun:
     builder = PromptBuilder(info.tokenizer, args.samples, args.seed, args.depths, args.haystack,
                             False if args.no_chat else None)
     check_lengths(builder, tasks, lengths)
-    out = opening.announce("chat template" if builder.fmt.chat else "plain prompts")
-    log = RecordLog(out, {"model": str(info.path), "schedule": info.schedule, "lengths": lengths, "tasks": tasks,
-                          "samples": args.samples, "seed": args.seed, "depths": args.depths,
-                          "haystack": args.haystack, "chat": builder.fmt.chat,
-                          "max_new_tokens": args.max_new_tokens}, Record)
+    header = {"model": str(info.path), "schedule": info.schedule, "lengths": lengths, "tasks": tasks,
+              "samples": args.samples, "seed": args.seed, "depths": args.depths, "haystack": args.haystack,
+              "chat": builder.fmt.chat, "max_new_tokens": args.max_new_tokens}
+    details = (f"{args.samples}samples", _tasks_name(tasks), f"seed{args.seed}" if args.seed else "")
+    out = opening.announce("chat template" if builder.fmt.chat else "plain prompts", details=details, header=header)
+    log = RecordLog(out, header, Record)
     with log.resumed("ruler", "samples", args.samples * len(tasks) * len(lengths)) as done, opening.held():
         scored = run_ruler(info.model, info.tokenizer, lengths, tasks, args.samples, args.seed, chunk=args.chunk,
                            max_new_tokens=args.max_new_tokens, show_progress=not args.no_progress, builder=builder,
