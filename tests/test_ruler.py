@@ -375,6 +375,7 @@ def test_cli_writes_json_heatmap_and_table(tiny, tmp_path, capsys, monkeypatch):
     out = Path(announced.removeprefix("no --output given: writing "))
     assert out.parent == tiny[0] / "eval" and out.name.startswith("ruler-1500_2k-2samples-niah_single_1+vt")
     assert captured.err.splitlines()[-1] == f"wrote {out} and {out.with_name(out.stem + '_heatmap.png')}"
+    assert "ruler: 8 samples (2 tasks at 1500, 2048 tokens): 14,192 prompt tokens" in captured.err
     record = json.loads(out.read_text())
     assert out.with_name(out.stem + "_heatmap.png").stat().st_size > 1000
     assert record["lengths"] == [1500, 2048] and record["tasks"] == ["niah_single_1", "vt"]

@@ -33,7 +33,9 @@ from pathlib import Path
 from typing import Callable
 
 from . import longctx, results
+from .. import memory
 from ..places import check_output
+from .cost import Compute
 
 
 @dataclass
@@ -52,6 +54,10 @@ class Opening:
         """A context in which MLX's buffer cache is held to the predicted peak (`longctx.cache_held_to`): the
         evaluation itself runs in it."""
         return longctx.cache_held_to(self.peak)
+
+    def compute(self) -> Compute:
+        """What a forward pass of the model computes (`cost.Compute`), for the progress bar's ETA."""
+        return Compute.of(memory.architecture(self.info.config))
 
     def announce(self, *notes: str, details: tuple = (), header: dict | None = None) -> Path:
         """The model line on stderr (with the command's `notes`), then the output path (see the module;

@@ -31,12 +31,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from . import longctx
 from ..errors import UserError, command
 from ..files import write_atomic
 from ..resumable import RecordLog
+from .cost import Compute, WorkBar, shared_prefix
 from .haystack import essay_text
 from .opening import open_evaluation
 from .passkey import PrefixCachedGenerator
@@ -153,7 +153,7 @@ def run_ruler(model, tokenizer, lengths: list[int], tasks: list[str] | str = "al
               seed: int = 0, *, chunk: int = longctx.DEFAULT_CHUNK, depth_mode: str = "spread",
               haystack: str | Path | None = None, max_new_tokens: int | None = None, chat: bool | None = None,
               show_progress: bool = True, reuse: bool = True, builder: PromptBuilder | None = None,
-              done: list[Record] = (), on_record=None) -> RulerRun:
+              done: list[Record] = (), on_record=None, compute: Compute | None = None) -> RulerRun:
     """Generate, answer and score `samples` prompts of every task at every length (lengths in tokens).
 
     `tasks`: "all", a comma list or a list of names; `depth_mode`: "spread" or "uniform" needle depths;
@@ -162,7 +162,7 @@ def run_ruler(model, tokenizer, lengths: list[int], tasks: list[str] | str = "al
     (False) the tokenizer's chat template (default: use it when there is one); `reuse`: keep the KV cache of
     the prefix shared with the previous prompt; `builder`: a PromptBuilder made with the same settings;
     `done`: records of an interrupted run of the same settings, not run again; `on_record(record)`: called after
-    each sample that is run.
+    each sample that is run; `compute`: the model's shapes, for the progress bar's ETA (default: tokens).
     """
     tasks = parse_tasks(tasks) if isinstance(tasks, str) else parse_tasks(",".join(tasks))
     lengths = sorted(set(int(n) for n in lengths))
@@ -171,13 +171,14 @@ def run_ruler(model, tokenizer, lengths: list[int], tasks: list[str] | str = "al
     stop = stop_tokens(tokenizer)
     run = RulerRun(tasks, lengths)
     plan = evaluation_order(builder, tasks, lengths, samples)
+    works = planned_work(builder, plan, compute or Compute.tokens_only(), generator.reuse, max_new_tokens)
     finished = {(r.task, r.length, r.index): r for r in done}
-    with tqdm(plan, desc="ruler", unit="sample", disable=not show_progress, file=sys.stderr) as bar:
-        for task, length, index in bar:
+    with WorkBar("ruler", works, "sample", show_progress) as bar:
+        for i, (task, length, index) in enumerate(plan):
             if (task, length, index) in finished:
                 run.records.append(finished[(task, length, index)])
+                bar.skip(i)
                 continue
-            bar.set_postfix_str(f"{task} @ {length}", refresh=False)
             start = time.perf_counter()
             sample = builder.sample(task, length, index)
             middle = time.perf_counter()
@@ -188,10 +189,27 @@ def run_ruler(model, tokenizer, lengths: list[int], tasks: list[str] | str = "al
             run.records.append(Record(task, length, index, len(sample.tokens), [n.depth for n in sample.needles],
                                       [n.token for n in sample.needles], sample.references, output,
                                       match_all(output, sample.references)))
+            bar.done(i, f"{task} @ {length}")
             if on_record is not None:
                 on_record(run.records[-1])
     run.computed_tokens = generator.computed
     return run
+
+
+def planned_work(builder: PromptBuilder, plan: list[tuple[str, int, int]], compute: Compute, reuse: bool,
+                 max_new_tokens: int | None) -> list[float]:
+    """The predicted work of each sample of `plan` (`evaluation_order`): a prompt of its length, of which the text
+    before its first needle comes from the cache after a sample of the same length and reuse group, then its
+    answer budget; says on stderr what will run."""
+    depths = [(length, (builder.depths(task, length, index) or [0.0])[0]) for task, length, index in plan]
+    kept = shared_prefix(depths, lambda i: _reuse_group(plan[i][0])) if reuse else [0] * len(plan)
+    works = [compute.generation(length, k, max_new_tokens or TASKS[task].max_new_tokens)
+             for (task, length, _), k in zip(plan, kept)]
+    tokens = sum(length for _, length, _ in plan)
+    print(f"ruler: {len(plan)} samples ({len({t for t, _, _ in plan})} tasks at "
+          f"{', '.join(map(str, sorted({n for _, n, _ in plan})))} tokens): {tokens:,} prompt tokens, about "
+          f"{tokens - sum(kept):,} of them computed (the rest shared with the prompt before)", file=sys.stderr)
+    return works
 
 
 # ------------------------------------------------------------------------------------------------- CLI
@@ -368,7 +386,7 @@ def run(args: RulerSettings) -> RulerRun:
     with log.resumed("ruler", "samples", args.samples * len(tasks) * len(lengths)) as done, opening.held():
         scored = run_ruler(info.model, info.tokenizer, lengths, tasks, args.samples, args.seed, chunk=args.chunk,
                            max_new_tokens=args.max_new_tokens, show_progress=not args.no_progress, builder=builder,
-                           done=done, on_record=log.append)
+                           done=done, on_record=log.append, compute=opening.compute())
     print(f"RULER synthetic tasks, {args.samples} samples per task and length, greedy answers; score = fraction of "
           f"the references found in the output (case-insensitive), mean over samples ({scored.computed_tokens}/"
           f"{scored.prompt_tokens} prompt tokens computed, the rest reused from the KV cache)")
