@@ -140,10 +140,11 @@ def records(name: str, kind: str, length: int, protocol: dict, screening: bool =
 
 def run_recorded(cmd: list[str], path: Path, log: Path) -> Path:
     """Run an evaluation command into `path` (its JSON, with the device added, and its PNGs beside it): written
-    under a `.partial` name first, so an interrupted run leaves no finished-looking record."""
+    under a `.partial` name first, so an interrupted run leaves no finished-looking record (one left by a run
+    stopped after the command finished is this function's own scratch file: replaced, `--overwrite`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".partial.json")
-    run_logged([*cmd, "--output", str(partial), "--no-progress"], log)
+    run_logged([*cmd, "--output", str(partial), "--overwrite", "--no-progress"], log)
     record = json.loads(partial.read_text())
     record["device"] = device()
     path.write_text(json.dumps(record, indent=1) + "\n")

@@ -146,7 +146,7 @@ def check_memory(info: longctx.EvalModel, length: int, chunk: int, force: bool) 
     prediction in words and MLX's predicted peak in bytes."""
     estimate = memory.eval_memory(info.config, length, chunk, all_logits=False)
     total = estimate.peak + estimate.details["numpy_bytes"]
-    available, where = memory.available_memory()
+    available, where = memory.device.available_memory()
     if total > available:
         message = (f"prompt and answer ({length} tokens) need about {memory.format_size(total)}, more than the "
                    f"{memory.format_size(available)} this machine offers ({where}); use a shorter prompt, fewer "

@@ -349,7 +349,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(place, tmp_path, capsys
     out.mkdir()
     monkeypatch.chdir(out)  # a command that wrongly writes to the current folder is caught too
     # The same machine for every case, whatever runs the suite (a 4M-token evaluation fits a large one):
-    monkeypatch.setattr("pose_mlx.memory.available_memory", lambda: (2**30, "a 1 GiB test machine"))
+    monkeypatch.setattr("pose_mlx.memory.device.available_memory", lambda: (2**30, "a 1 GiB test machine"))
     values = {k: str(v) for k, v in place.items()} | {"out": str(out)}
     before = {p for p in place["root"].rglob("*")}
     code = main([a.format(**values) for a in argv])

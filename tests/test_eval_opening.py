@@ -89,15 +89,15 @@ def test_fit_and_answer_reach_the_memory_check(tmp_path, monkeypatch):
 def test_announce_says_the_model_and_returns_the_output_path(tmp_path, monkeypatch, capsys):
     folder = make_eval_folder(tmp_path / "tiny", max_position_embeddings=64)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(memory, "available_memory", lambda: (1 << 40, "test"))
+    monkeypatch.setattr(memory.device, "available_memory", lambda: (1 << 40, "test"))
     opening = open_evaluation("kind", Settings(model=str(folder), lengths="32"), answer=0)
     expected, _ = longctx.check_memory(opening.info, [32], longctx.DEFAULT_CHUNK, all_logits=False)
     capsys.readouterr()
-    assert opening.announce("note one", "note two") == Path("kind-tiny.json")
+    assert opening.announce("note one", "note two") == folder / "eval" / "kind-32.json"
     assert capsys.readouterr().err.splitlines() == [
         f"model {folder}: schedule as configured; original window 64, max 64; note one; note two; "
         f"memory estimate {expected}",
-        "no --output given: writing kind-tiny.json"]
+        f"no --output given: writing {folder / 'eval' / 'kind-32.json'}"]
     given = tmp_path / "out" / "r.json"
     opening = open_evaluation("kind", Settings(model=str(folder), output=str(given)), answer=0)
     capsys.readouterr()

@@ -301,7 +301,7 @@ def test_max_memory_refuses_before_loading_and_force_overrides(tiny_model, text_
     assert loads == [] and not (tmp_path / "a").exists()
     code, err = run_cli(capsys, *args, "--output", tmp_path / "b", "--max-memory", "64KB", "--force")
     assert code == 0, err
-    monkeypatch.setattr(memory, "available_memory", lambda: (2**16, "test"))
+    monkeypatch.setattr(memory.device, "available_memory", lambda: (2**16, "test"))
     code, err = run_cli(capsys, *args, "--output", tmp_path / "d")
     assert code == 2 and "more than 64 KiB" in err
 

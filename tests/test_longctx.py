@@ -83,12 +83,14 @@ def test_check_memory_refuses_or_warns_above_what_the_machine_offers(tmp_path, m
     import pose_mlx.memory as memory
 
     info = longctx.load_eval_model(str(make_eval_folder(tmp_path / "m", max_position_embeddings=64)))
-    monkeypatch.setattr(memory, "available_memory", lambda: (10_000, "test"))
+    monkeypatch.setattr(memory.device, "available_memory", lambda: (10_000, "test"))
     with pytest.raises(UserError, match=r"more than the 9.77 KiB this machine offers \(test\)"):
         longctx.check_memory(info, [64, 4096], chunk=64)
     described, peak = longctx.check_memory(info, [4096], chunk=64, force=True)
     assert "warning" in capsys.readouterr().err and "at 4096 tokens" in described
-    estimate = memory.eval_memory(info.config, 4096, 64)  # MLX's peak and, on the CPU path, NumPy's score tiles
+    # MLX's peak and, on the CPU path, NumPy's score tiles; the folder's weights are float32 (its config names no
+    # dtype: the memory check reads the safetensors headers)
+    estimate = memory.eval_memory({**info.config, "torch_dtype": "float32"}, 4096, 64)
     assert described.startswith(memory.format_size(estimate.peak + estimate.details["numpy_bytes"]) + " at 4096")
     assert peak == estimate.peak
 
@@ -153,7 +155,7 @@ def test_both_commands_run_on_a_folder_exported_by_finetune(tmp_path, capsys, mo
                           "--no-progress"]) == 0
     info = longctx.load_eval_model(str(out))
     assert (info.original, info.maximum) == (128, 512)
-    monkeypatch.chdir(tmp_path)  # without --output the JSON goes to <command>-<model>.json here
+    monkeypatch.chdir(tmp_path)  # without --output the JSON goes into the model folder's eval/, not here
     data = tmp_path / "doc.txt"
     data.write_text(" ".join(f"The sky is blue {i}." for i in range(400)))
     assert perplexity.main(["--model", str(out), "--data", str(data), "--lengths", "128,512", "--stride", "64",
@@ -161,8 +163,11 @@ def test_both_commands_run_on_a_folder_exported_by_finetune(tmp_path, capsys, mo
     assert passkey.main(["--model", str(out), "--trials", "1", "--no-progress"]) == 0
     captured = capsys.readouterr()
     assert "| 128 |" in captured.out and "| 512 |" in captured.out  # default passkey lengths: 64 is below the template
-    assert (tmp_path / "perplexity-extended.json").is_file() and (tmp_path / "passkey-extended.json").is_file()
-    assert "writing passkey-extended.json" in captured.err
+    results = out / "eval"
+    assert sorted(p.name for p in results.glob("*.json")) == ["passkey-128_256_512-1trials.json",
+                                                              "perplexity-128_512-doc.json"]
+    assert f"writing {results / 'passkey-128_256_512-1trials.json'}" in captured.err
+    assert not list(tmp_path.glob("*.json")) and not list(tmp_path.glob("*.png"))
 
 
 def test_target_shorter_than_the_window_names_the_flag(tmp_path):

@@ -478,3 +478,36 @@ def test_gpu_eval_prediction_holds_the_h200_measurement():
     assert 1.0 <= gpu / 23.1e6 <= 1.10 and abs(cpu / 11.6e6 - 1) < 0.01
     fused = memory.eval_memory({**config, "torch_dtype": "bfloat16"}, 1024, 256, cpu_attention=False, backend="cuda")
     assert fused.breakdown["attention_scores"] == 0  # cuDNN's forward keeps no scores
+
+
+def test_the_package_exports_every_public_name_of_its_modules():
+    """`from pose_mlx.memory import X` works for each public function, class and constant of its five modules (what
+    code, tests and benchmarks import), and names the same object as the module that defines it."""
+    import inspect
+
+    for name in ("architecture", "training", "device", "plan", "evaluation"):
+        module = importlib.import_module(f"pose_mlx.memory.{name}")
+        public = [k for k, v in vars(module).items() if not k.startswith("_") and k.isupper()
+                  or (inspect.isfunction(v) or inspect.isclass(v)) and v.__module__ == module.__name__
+                  and not k.startswith("_")]
+        assert public, name
+        for key in public:
+            assert getattr(memory, key) is getattr(module, key), f"pose_mlx.memory lacks {name}.{key}"
+
+
+def test_gpu_factors_never_predict_below_a_committed_gpu_measurement():
+    """Every peak that benchmarks/bench_gpu.py measured (benchmarks/results/gpu/gpu.json: the Llama-2-7B shape,
+    bfloat16, LoRA rank 8 on every block, rows aligned to 128 inputs by --align-rows auto) is at most the planner's
+    prediction with today's `GPU_FACTORS` (the settings rebuilt: the parts no factor scales are the file's);
+    docs/memory.md says which measurement each factor comes from."""
+    record = json.loads((ROOT / "benchmarks" / "results" / "gpu" / "gpu.json").read_text())
+    config = {**LLAMA2_7B, "torch_dtype": record["model"]["dtype"]}
+    measured = [p for p in record["plan"] if p.get("measured_bytes")]
+    assert len(measured) >= 2
+    for entry in measured:
+        settings = _gpu_settings(compile=entry["compiled"], grad_checkpoint=entry["grad_checkpoint"],
+                                 window=record["config"]["window"], row_multiple=128)
+        estimate = memory.training_memory(config, settings)
+        for part in ("weights", "lora_adapters", "optimizer_state"):
+            assert estimate.breakdown[part] == entry["breakdown"][part], (entry["config"], part)
+        assert estimate.peak >= entry["measured_bytes"], entry["config"]

@@ -188,12 +188,15 @@ def test_interrupted_run_takes_up_its_finished_trials(tiny, tmp_path, capsys, mo
     assert not (tmp_path / "pk.json.partial.jsonl").exists()
     (tmp_path / "pk.json.partial.jsonl").write_text(json.dumps({"model": "another"}) + "\n")
     appended = count_appends(monkeypatch)
-    assert passkey.main([*flags, "--output", str(out)]) == 0 and len(appended) == 6  # another run's file: ignored
+    assert passkey.main([*flags, "--output", str(out)]) == 2 and appended == []  # a result is never replaced
+    assert f"--output {out} exists" in capsys.readouterr().err
+    assert passkey.main([*flags, "--output", str(out), "--overwrite"]) == 0 and len(appended) == 6  # another
+    # run's partial file: ignored
 
 
 def test_cli_default_lengths_and_bad_inputs(tiny, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the default --output is written in the current folder
-    monkeypatch.setattr("pose_mlx.memory.available_memory", lambda: (2**30, "a 1 GiB test machine"))
+    monkeypatch.setattr("pose_mlx.memory.device.available_memory", lambda: (2**30, "a 1 GiB test machine"))
     folder = tiny[0]
     assert passkey.main(["--model", str(folder), "--trials", "1", "--no-progress"]) == 0
     out = capsys.readouterr().out

@@ -130,7 +130,8 @@ def test_scoring_runs_with_mlx_cache_held_to_the_predicted_peak(folder, tmp_path
                    "16", "--docs", "2", "--output", str(tmp_path / "p.json"), "--no-progress"])
     assert rc == 0
     info = longctx.load_eval_model(str(folder))
-    assert seen == [memory.eval_memory(info.config, 64, longctx.DEFAULT_CHUNK).peak]
+    stored = {**info.config, "torch_dtype": "float32"}  # the folder's weights (its config names no dtype)
+    assert seen == [memory.eval_memory(stored, 64, longctx.DEFAULT_CHUNK).peak]
     assert mx.set_cache_limit(before) == before
 
 
@@ -174,7 +175,7 @@ def _fails(capsys, argv, fragment):
 
 
 def test_cli_bad_inputs(folder, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("pose_mlx.memory.available_memory", lambda: (2**30, "a 1 GiB test machine"))
+    monkeypatch.setattr("pose_mlx.memory.device.available_memory", lambda: (2**30, "a 1 GiB test machine"))
     data = _corpus(tmp_path, n_docs=1, sentences=5)
     base = ["--model", str(folder), "--data", str(data), "--no-progress"]
     _fails(capsys, base + ["--lengths", "4k"], "the longest has")

@@ -224,14 +224,49 @@ def test_gguf_dtype_from_its_tensors_and_no_quantizing_advice(tmp_path, capsys):
     H.write_gguf(tmp_path / "f32.gguf", config, H.random_weights(config), H.bpe_metadata(tok, "gpt-2"))
     f32 = config_from_gguf(tmp_path / "f32.gguf")
     assert f32["torch_dtype"] == "float32" and "gguf_quantization" not in f32
-    # a model exported from the file does not inherit the file's precision and block types (its weights differ)
+
+
+def test_exported_folder_is_planned_and_evaluated_in_its_stored_dtype(tmp_path, capsys):
+    """A model exported from a Q4_1 file (a real `finetune` export) records the dtype of the weights it wrote in
+    config.json (float32 on the CPU, where the file is dequantized), not the file's precision or block types; and
+    when a folder's config names no dtype, the planner and the evaluators' memory check read it from the
+    safetensors headers instead of assuming 16 bits."""
+    import mlx.core as mx
+    from gguf import GGMLQuantizationType as Q
+
+    import _gguf_helpers as H
     from pose_mlx import finetune
+    from pose_mlx.eval import longctx
 
+    tok = H.train_bpe()
+    config = H.model_config(tok.get_vocab_size(), tied=False, max_position_embeddings=64)
+    H.write_gguf(tmp_path / "m.gguf", config, H.random_weights(config), H.bpe_metadata(tok, "gpt-2"),
+                 types=lambda name: Q.Q4_1)
+    out = tmp_path / "out"
     assert finetune.main(["--model", str(tmp_path / "m.gguf"), "--target", "2x", "--sampler", "none", "--output",
-                          str(tmp_path / "out")]) == 0
-    exported = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert "gguf_quantization" not in exported and "torch_dtype" not in exported
-
+                          str(out)]) == 0
+    weights = mx.load(str(out / "model.safetensors"))  # the independent side: what MLX reads back
+    values = {}
+    for array in weights.values():
+        name = str(array.dtype).rsplit(".", 1)[-1]
+        values[name] = values.get(name, 0) + array.size
+    stored = max(values, key=values.get)
+    weights_bytes = sum(a.nbytes for a in weights.values())
+    assert stored == ("float32" if memory.compute_backend() == "cpu" else "float16")
+    exported = json.loads((out / "config.json").read_text())
+    assert exported["torch_dtype"] == stored and "gguf_quantization" not in exported
+    exported.pop("torch_dtype")
+    (out / "config.json").write_text(json.dumps(exported))  # as folders exported before were
+    capsys.readouterr()
+    assert planner.main(["--model", str(out), "--target", "2x", "--json"]) == 0
+    captured = capsys.readouterr()
+    record = json.loads(captured.out)
+    assert record["architecture"]["dtype"] == stored and "torch_dtype" not in captured.err
+    assert record["breakdown"]["weights"] == weights_bytes
+    info = longctx.load_eval_model(str(out))
+    _, peak = longctx.check_memory(info, [64], 32)
+    assumed = memory.eval_memory(info.config, 64, 32).peak  # the config alone: 16-bit, with a warning
+    assert peak - assumed >= weights_bytes // 2 if stored == "float32" else peak == assumed
 
 
 # ------------------------------------------------------------------------------------- rows for fused attention

@@ -369,10 +369,15 @@ def test_cli_writes_json_heatmap_and_table(tiny, tmp_path, capsys, monkeypatch):
     assert ruler.main(argv) == 0
     elapsed = time.perf_counter() - started
     captured = capsys.readouterr()
-    out = tmp_path / "ruler-tiny.json"  # the default path, announced on stderr
-    assert f"wrote {out.name}" in captured.err
+    # the default path, in the model folder's results folder, announced on stderr (-2, ... when an earlier test
+    # of the session took the name)
+    [announced] = [line for line in captured.err.splitlines() if line.startswith("no --output given: writing ")]
+    out = Path(announced.removeprefix("no --output given: writing "))
+    assert out.parent == tiny[0] / "eval" and out.name.startswith("ruler-1500_2k-2samples-niah_single_1+vt")
+    assert captured.err.splitlines()[-1] == f"wrote {out} and {out.with_name(out.stem + '_heatmap.png')}"
+    assert "ruler: 8 samples (2 tasks at 1500, 2048 tokens): 14,192 prompt tokens" in captured.err
     record = json.loads(out.read_text())
-    assert (tmp_path / "ruler-tiny_heatmap.png").stat().st_size > 1000
+    assert out.with_name(out.stem + "_heatmap.png").stat().st_size > 1000
     assert record["lengths"] == [1500, 2048] and record["tasks"] == ["niah_single_1", "vt"]
     assert_cost(record, tiny[0], elapsed)
     assert record["threshold"] == 0.856 and record["effective_length"] is None and not record["chat_template"]
@@ -441,7 +446,7 @@ def test_model_without_tokenizer_is_one_line(tmp_path, capsys, monkeypatch):
 def test_memory_above_ram_needs_force(tiny, tmp_path, capsys, monkeypatch):
     import pose_mlx.memory as memory
 
-    monkeypatch.setattr(memory, "available_memory", lambda: (10_000, "test"))
+    monkeypatch.setattr(memory.device, "available_memory", lambda: (10_000, "test"))
     _fails_cleanly(["--model", str(tiny[0]), "--lengths", "1k"], tmp_path, capsys, monkeypatch, "--force")
 
 

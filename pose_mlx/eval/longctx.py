@@ -54,6 +54,8 @@ class EvalModel:
     maximum: int  # the window the model claims (the target of an extension, or max_position_embeddings)
     schedule: str  # e.g. "none", "linear x8 (from pose_mlx.json)", "yarn x4 (--schedule, no training)"
     config: dict  # the model's configuration (what the memory model reads)
+    ref: source.ModelRef | None = None  # where it was loaded from (the memory model reads a GGUF file's or a
+    # folder's stored dtype there)
 
     @property
     def name(self) -> str:
@@ -83,7 +85,7 @@ def load_eval_model(reference: str, schedule: str | None = None, target: str | N
     extension = getattr(model, "pose_extension", None)
     if extension is not None and not (schedule or target):
         return EvalModel(model, tokenizer, str(ref.path), extension.original, extension.target,
-                         f"{extension.schedule} x{extension.factor:g} (from pose_mlx.json)", config)
+                         f"{extension.schedule} x{extension.factor:g} (from pose_mlx.json)", config, ref)
     if extension is not None and extension.schedule != "none":
         raise UserError(f"--schedule/--target: {reference} is already extended ({extension.schedule}); drop them")
     base = int(original or (extension.original if extension is not None else cfg_original) or 0)
@@ -100,11 +102,11 @@ def load_eval_model(reference: str, schedule: str | None = None, target: str | N
             extend(model, name, base, length)
         how = "after plain fine-tuning" if extension is not None else "no training"
         return EvalModel(model, tokenizer, str(ref.path), base, length,
-                         f"{name} x{length / base:g} (--schedule, {how})", config)
+                         f"{name} x{length / base:g} (--schedule, {how})", config, ref)
     maximum = config.get("max_position_embeddings") or base
     if not base or not maximum:
         raise UserError("--model: the config does not say the model's window; pass --original (and --lengths)")
-    return EvalModel(model, tokenizer, str(ref.path), base, int(maximum), "as configured", config)
+    return EvalModel(model, tokenizer, str(ref.path), base, int(maximum), "as configured", config, ref)
 
 
 def _target_length(text: str, original: int) -> int:
@@ -228,14 +230,15 @@ def check_memory(info: "EvalModel", lengths: list[int], chunk: int, force: bool 
     one chunk's scores, logits - every position's, or the last one's when not `all_logits` - and activations)
     against the memory this machine offers: UserError above it, or only a warning with `force`. Returns the
     prediction in words and the predicted peak of MLX's allocator in bytes (what `cache_held_to` takes)."""
-    estimate = memory.eval_memory(info.config, max(lengths), chunk, all_logits=all_logits)
+    arch = memory.loaded_architecture(info.config, info.ref)  # the dtype as loaded, not only as configured
+    estimate = memory.eval_memory(arch, max(lengths), chunk, all_logits=all_logits)
     parts = {k.replace("_", " "): v for k, v in estimate.breakdown.items() if v}
     if estimate.details["numpy_bytes"]:
         parts["attention tiles (NumPy)"] = estimate.details["numpy_bytes"]
     total = estimate.peak + estimate.details["numpy_bytes"]
     described = (f"{memory.format_size(total)} at {max(lengths)} tokens ("
                  + ", ".join(f"{k} {memory.format_size(v)}" for k, v in parts.items()) + ")")
-    available, where = memory.available_memory()
+    available, where = memory.device.available_memory()
     if total > available:
         message = (f"--lengths: evaluation needs about {described}, more than the {memory.format_size(available)} this "
                    f"machine offers ({where}); use shorter --lengths or a smaller --chunk (or --force)")
@@ -284,6 +287,7 @@ class EvalSettings:
     original: int | None = None
     chunk: int = DEFAULT_CHUNK
     force: bool = False
+    overwrite: bool = False
     no_progress: bool = False
 
 
@@ -295,7 +299,8 @@ def settings_defaults(settings: type) -> dict:
 
 def eval_parser(prog: str, description: str) -> ArgumentParser:
     """The evaluators' shared flags (`EvalSettings`): --model, --schedule (--scaling), --target, --original,
-    --chunk, --force, --no-progress; each command sets the defaults from its settings (`settings_defaults`)."""
+    --chunk, --force, --overwrite, --no-progress; each command sets the defaults from its settings
+    (`settings_defaults`)."""
     parser = ArgumentParser(prog=prog, description=description)
     parser.add_argument("--model", required=True, help="model folder (e.g. written by pose_mlx.finetune), .gguf "
                                                        "file, Hugging Face hub id, or an alias of pose_mlx.finetune")
@@ -308,6 +313,9 @@ def eval_parser(prog: str, description: str) -> ArgumentParser:
     parser.add_argument("--chunk", type=tokens,
                         help=f"tokens per prefill chunk (memory ~ chunk x length; default {DEFAULT_CHUNK})")
     parser.add_argument("--force", action="store_true", help="run even when the memory estimate exceeds the RAM")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the results at --output (refused by default), or at the default name (by "
+                             "default a taken name gets -2, -3, ...)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     return parser
 
@@ -323,17 +331,8 @@ def resolve_lengths(arg: str | None, info: EvalModel) -> list[int]:
     return parse_lengths(arg, info.original) if arg else default_lengths(info.original, info.maximum)
 
 
-def default_output(kind: str, info: EvalModel, given: str | None) -> Path:
-    """`--output`, or `<kind>-<model name>.json` in the current folder (said on stderr)."""
-    if given:
-        return Path(given)
-    path = Path(f"{kind}-{info.name}.json")
-    print(f"no --output given: writing {path}", file=sys.stderr)
-    return path
-
-
 __all__ = [
     "DEFAULT_CHUNK", "EvalModel", "EvalSettings", "bos_id", "cache_held_to", "check_chunk", "check_memory",
-    "chunked_logits", "chunked_nll", "default_output", "encode", "eval_parser", "load_eval_model", "prefill",
+    "chunked_logits", "chunked_nll", "encode", "eval_parser", "load_eval_model", "prefill",
     "resolve_lengths", "settings_defaults",
 ]

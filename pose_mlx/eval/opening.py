@@ -5,7 +5,8 @@ the lengths to run, a memory check and the output path.
 plus the command's, `lengths` and `output` among them, filled by its `main` from the command line or built by a
 caller), does, in this order (its start is the run's `started`, for `longctx.run_cost`):
 
-1. check `--chunk`, then `--output` (a place the command may write), then `check(args)`: the command's flags;
+1. check `--chunk`, then `--output` (a place the command may write, holding no result unless `--overwrite`:
+   `results.check_free`), then `check(args)`: the command's flags;
 2. check the `--lengths` grammar (a length in `x` needs the model's window, so only the grammar here);
 3. load `--model` (`longctx.load_eval_model`, with `--schedule/--target/--original`) and resolve `--lengths`
    (default: doubling from half the original window to the model's maximum);
@@ -17,7 +18,8 @@ caller), does, in this order (its start is the run's `started`, for `longctx.run
 Each refusal is a `UserError` (one line on stderr, exit code 2) raised before anything is written; nothing is
 loaded before step 3. The command then makes its own checks of the loaded model and calls `announce(*notes)`,
 which says on stderr "model PATH: schedule S; original window O, max M; [NOTES; ]memory estimate E" and returns
-the output path: `--output`, or `<kind>-<model name>.json` in the current folder (also said on stderr).
+the output path: `--output`, or a free name in the model's results folder that says what is measured
+(`results.output_path`; also said on stderr).
 It runs the evaluation itself under `held()`, MLX's buffer cache held to the predicted peak
 (`longctx.cache_held_to`).
 """
@@ -30,15 +32,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from . import longctx
+from . import longctx, results
+from .. import memory
 from ..places import check_output
+from .cost import Compute
 
 
 @dataclass
 class Opening:
     """What an evaluator starts from: its arguments, model, lengths and memory estimate."""
 
-    kind: str  # "passkey", "perplexity", "ruler": the default output is <kind>-<model name>.json
+    kind: str  # "passkey", "perplexity", "ruler": the default output's name starts with it
     args: longctx.EvalSettings  # the command's settings
     started: float  # time.perf_counter() when the opening began
     info: longctx.EvalModel
@@ -51,12 +55,17 @@ class Opening:
         evaluation itself runs in it."""
         return longctx.cache_held_to(self.peak)
 
-    def announce(self, *notes: str) -> Path:
-        """The model line on stderr (with the command's `notes`), then the output path (see the module)."""
+    def compute(self) -> Compute:
+        """What a forward pass of the model computes (`cost.Compute`), for the progress bar's ETA."""
+        return Compute.of(memory.architecture(self.info.config))
+
+    def announce(self, *notes: str, details: tuple = (), header: dict | None = None) -> Path:
+        """The model line on stderr (with the command's `notes`), then the output path (see the module;
+        `details` and `header` as `results.output_path` takes them)."""
         info = self.info
         print("; ".join([f"model {info.path}: schedule {info.schedule}", f"original window {info.original}, "
                          f"max {info.maximum}", *notes, f"memory estimate {self.estimate}"]), file=sys.stderr)
-        return longctx.default_output(self.kind, info, self.args.output)
+        return results.output_path(self.kind, self.args, info, self.lengths, details, header)
 
 
 def open_evaluation(kind: str, args: longctx.EvalSettings, *,
@@ -68,6 +77,7 @@ def open_evaluation(kind: str, args: longctx.EvalSettings, *,
     longctx.check_chunk(args.chunk)
     if args.output:
         check_output("--output", args.output)
+        results.check_free(args.output, args.overwrite)
     if check is not None:
         check(args)
     if args.lengths:

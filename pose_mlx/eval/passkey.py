@@ -18,7 +18,6 @@ import sys
 from dataclasses import asdict, dataclass
 
 import numpy as np
-from tqdm import tqdm
 
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
@@ -26,6 +25,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_p
 from . import haystack, longctx
 from ..errors import UserError, command
 from ..resumable import RecordLog
+from .cost import Compute, WorkBar, shared_prefix
 from .opening import open_evaluation
 
 TASK = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
@@ -34,6 +34,10 @@ FILLER = haystack.FILLER
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "What is the pass key? The pass key is"
 MAX_NEW_TOKENS = 10
+#: Trials per length by default: enough for a first look in minutes to an hour on a laptop's CPU (a 16k-token
+#: prompt of a 135M model takes minutes there); an accuracy p over n trials has a standard error of
+#: sqrt(p (1 - p) / n): up to 0.16 at 10, 0.07 at 50, so results to report take --trials 30 to 50.
+DEFAULT_TRIALS = 10
 
 
 def prompt_text(n_sentences: int, depth: float, key: int) -> str:
@@ -157,28 +161,38 @@ def trial_plan(lengths: list[int], trials: int, depths: int | None, seed: int) -
 
 def run_passkey(model, tokenizer, lengths: list[int], trials: int, depths: int | None = None, seed: int = 0,
                 chunk: int = longctx.DEFAULT_CHUNK, show_progress: bool = True, reuse: bool = True,
-                done: list[Trial] = (), on_trial=None) -> tuple[list[Trial], PrefixCachedGenerator]:
+                done: list[Trial] = (), on_trial=None,
+                compute: Compute | None = None) -> tuple[list[Trial], PrefixCachedGenerator]:
     """Run every trial; within a length, trials go deepest needle first so prompts share long prefixes.
 
     Trials in `done` (from an interrupted run of the same plan) are not run again; `on_trial(trial)` is called
-    after each one that is."""
+    after each one that is. Says on stderr what will run; the progress bar's ETA follows each trial's predicted
+    work (`compute`, the model's shapes; default: its tokens)."""
     bos = longctx.bos_id(tokenizer)
     stop = set(getattr(tokenizer, "eos_token_ids", None) or [])
     if getattr(tokenizer, "eos_token_id", None) is not None:
         stop.add(int(tokenizer.eos_token_id))
     plan = sorted(trial_plan(lengths, trials, depths, seed), key=lambda t: (t[0], -t[1]))
     generator = PrefixCachedGenerator(model, chunk, reuse)
+    kept = shared_prefix([(n, d) for n, d, _ in plan]) if generator.reuse else [0] * len(plan)
+    works = [(compute or Compute.tokens_only()).generation(n, k, MAX_NEW_TOKENS) for (n, _, _), k in zip(plan, kept)]
+    print(f"passkey: {len(plan)} trials ({trials} at each of {', '.join(map(str, sorted(set(lengths))))} tokens): "
+          f"{sum(n for n, _, _ in plan):,} prompt tokens, about {sum(n for n, _, _ in plan) - sum(kept):,} of them "
+          "computed (the rest shared with the prompt before)", file=sys.stderr)
     finished = {(t.length, t.depth, t.key): t for t in done}
     results = []
-    for length, depth, key in tqdm(plan, desc="passkey", unit="trial", disable=not show_progress, file=sys.stderr):
-        if (length, depth, key) in finished:
-            results.append(finished[(length, depth, key)])
-            continue
-        prompt = build_prompt(tokenizer, bos, length, depth, key)
-        answer = tokenizer.decode(generator.generate(prompt, MAX_NEW_TOKENS, stop))
-        results.append(Trial(length, len(prompt), depth, key, answer, parse_answer(answer) == key))
-        if on_trial is not None:
-            on_trial(results[-1])
+    with WorkBar("passkey", works, "trial", show_progress) as bar:
+        for i, (length, depth, key) in enumerate(plan):
+            if (length, depth, key) in finished:
+                results.append(finished[(length, depth, key)])
+                bar.skip(i)
+                continue
+            prompt = build_prompt(tokenizer, bos, length, depth, key)
+            answer = tokenizer.decode(generator.generate(prompt, MAX_NEW_TOKENS, stop))
+            results.append(Trial(length, len(prompt), depth, key, answer, parse_answer(answer) == key))
+            bar.done(i, f"{length} tokens")
+            if on_trial is not None:
+                on_trial(results[-1])
     return results, generator
 
 
@@ -230,7 +244,7 @@ class PasskeySettings(longctx.EvalSettings):
     """What `python -m pose_mlx.passkey` is asked (the flags' names and defaults); `run` checks it."""
 
     lengths: str | None = None  # the length grammar: 2k,4k,8192 or 1x,2x of the original window
-    trials: int = 50
+    trials: int = DEFAULT_TRIALS
     depths: int | None = None
     seed: int = 0
     output: str | None = None
@@ -240,13 +254,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = longctx.eval_parser("python -m pose_mlx.passkey", __doc__.split("\n")[0])
     parser.add_argument("--lengths", help="prompt lengths, e.g. 2k,4k,8192 or 1x,2x,4x of the original window "
                                            "(default: doubling from half the original window to the model's maximum)")
-    parser.add_argument("--trials", type=int, help="trials per length (default 50)")
+    parser.add_argument("--trials", type=int,
+                        help=f"trials per length (default {DEFAULT_TRIALS}: a first look; an accuracy over n trials "
+                             "has a standard error of up to 0.5/sqrt(n), so use 30-50 for results to report)")
     parser.add_argument("--depths", type=int,
                         help="put the needle on a grid of this many depths in [0, 1] (default: uniform random)")
     parser.add_argument("--seed", type=int, help="seed of the keys and random depths (default 0)")
     parser.add_argument("--output",
                         help="write JSON results here (and <stem>_accuracy.png, <stem>_heatmap.png next to it; "
-                             "default passkey-<model name>.json)")
+                             "default: passkey-<lengths>-<N>trials.json in the model's results folder, see "
+                             "docs/evaluation.md)")
     parser.set_defaults(**longctx.settings_defaults(PasskeySettings))
     return parser
 
@@ -285,12 +302,15 @@ def run(args: PasskeySettings) -> list[dict]:
                               answer=MAX_NEW_TOKENS)  # the prompt and the answer in the cache
     info, lengths = opening.info, opening.lengths
     build_prompt(info.tokenizer, longctx.bos_id(info.tokenizer), min(lengths), 0.5, 99_999)  # template fits?
-    out = opening.announce()
-    log = RecordLog(out, {"model": str(info.path), "schedule": info.schedule, "lengths": lengths,
-                          "trials": args.trials, "depths": args.depths, "seed": args.seed}, Trial)
+    header = {"model": str(info.path), "schedule": info.schedule, "lengths": lengths, "trials": args.trials,
+              "depths": args.depths, "seed": args.seed}
+    out = opening.announce(details=(f"{args.trials}trials", f"seed{args.seed}" if args.seed else "",
+                                    f"depths{args.depths}" if args.depths else ""), header=header)
+    log = RecordLog(out, header, Trial)
     with log.resumed("passkey", "trials", args.trials * len(lengths)) as done, opening.held():
         trials, generator = run_passkey(info.model, info.tokenizer, lengths, args.trials, args.depths, args.seed,
-                                        args.chunk, not args.no_progress, done=done, on_trial=log.append)
+                                        args.chunk, not args.no_progress, done=done, on_trial=log.append,
+                                        compute=opening.compute())
     accuracy = accuracy_by_length(trials)
     total = sum(t.prompt_tokens for t in trials)
     print(f"passkey retrieval, {args.trials} trials per length, greedy answer of <= {MAX_NEW_TOKENS} tokens, "

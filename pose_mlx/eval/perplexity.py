@@ -15,15 +15,16 @@ import json
 import math
 import sys
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Iterable
 
 import numpy as np
-from tqdm import tqdm
 
 from . import longctx
 from ..errors import UserError, command
 from ..lengths import tokens
 from ..training.data import chat_renderer, read_documents  # a text file, a .jsonl file, a folder of them, or a hub dataset
+from .cost import Compute, WorkBar
 from .opening import open_evaluation
 
 METRIC = "token-weighted perplexity: exp(total NLL / scored tokens), sliding windows of BOS + (W-1) tokens"
@@ -63,7 +64,8 @@ def window_plan(n_tokens: int, window: int, stride: int) -> list[Window]:
 
 def document_nll(model, tokens: Iterable[int], window: int, stride: int, bos: int,
                  chunk: int = longctx.DEFAULT_CHUNK, progress=None) -> tuple[float, int]:
-    """(sum of NLLs, number of scored tokens) of one document under `window_plan`."""
+    """(sum of NLLs, number of scored tokens) of one document under `window_plan`; `progress()` is called after
+    each window."""
     tokens = np.asarray(list(tokens), dtype=np.int32)
     total, count = 0.0, 0
     for w in window_plan(tokens.size, window, stride):
@@ -73,7 +75,7 @@ def document_nll(model, tokens: Iterable[int], window: int, stride: int, bos: in
         total += float(scored.sum())
         count += scored.size
         if progress is not None:
-            progress.update(w.stop - w.start + 1)
+            progress()
     return total, count
 
 
@@ -85,18 +87,25 @@ class LengthResult:
 
 
 def perplexity(model, documents: list[list[int]], lengths: list[int], stride: int, bos: int,
-               chunk: int = longctx.DEFAULT_CHUNK, show_progress: bool = True) -> list[LengthResult]:
-    """Token-weighted perplexity of the tokenized `documents` at each window length."""
-    results = []
-    for length in lengths:
-        work = sum(w.stop - w.start + 1 for d in documents for w in window_plan(len(d), length, stride))
-        with tqdm(total=work, unit="tok", desc=f"ppl @ {length}", disable=not show_progress,
-                  file=sys.stderr) as bar:
+               chunk: int = longctx.DEFAULT_CHUNK, show_progress: bool = True,
+               compute: Compute | None = None) -> list[LengthResult]:
+    """Token-weighted perplexity of the tokenized `documents` at each window length. Says on stderr what will
+    run; the progress bar's ETA follows each window's predicted work (`compute`, the model's shapes; default: its
+    tokens)."""
+    windows = [w.stop - w.start + 1 for length in lengths for doc in documents
+               for w in window_plan(len(doc), length, stride)]
+    works = [(compute or Compute.tokens_only()).prefill(n, 0, n) for n in windows]
+    print(f"perplexity: {len(windows)} windows of {len(documents)} documents at {', '.join(map(str, lengths))} "
+          f"tokens: {sum(windows):,} tokens", file=sys.stderr)
+    results, index = [], iter(range(len(windows)))
+    with WorkBar("perplexity", works, "window", show_progress) as bar:
+        for length in lengths:
             total, count = 0.0, 0
             for doc in documents:
-                t, c = document_nll(model, doc, length, stride, bos, chunk, bar)
+                t, c = document_nll(model, doc, length, stride, bos, chunk,
+                                    lambda: bar.done(next(index), f"{length} tokens"))
                 total, count = total + t, count + c
-        results.append(LengthResult(length, math.exp(total / count), count))
+            results.append(LengthResult(length, math.exp(total / count), count))
     return results
 
 
@@ -159,8 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "default: the longest length - 1, so every length scores the same tokens; give the "
                              "same value to separate runs of different lengths to score the same tokens)")
     parser.add_argument("--no-truncate", action="store_true", help="score whole documents")
-    parser.add_argument("--output", help="write JSON results here (and a PNG next to it; default "
-                                          "perplexity-<model name>.json)")
+    parser.add_argument("--output", help="write JSON results here (and a PNG next to it; default: "
+                                          "perplexity-<lengths>-<data>.json in the model's results folder, see "
+                                          "docs/evaluation.md)")
     parser.set_defaults(**longctx.settings_defaults(PerplexitySettings))
     return parser
 
@@ -195,9 +205,10 @@ def run(args: PerplexitySettings) -> list[LengthResult]:
         print(f"note: {len(docs)} document(s) of --data have at least {min_tokens} tokens, fewer than the --docs "
               f"{args.docs} asked for; scoring those", file=sys.stderr)
     bos = longctx.bos_id(info.tokenizer)
-    out = opening.announce()
+    out = opening.announce(details=(Path(str(args.data).rstrip("/")).stem,))
     with opening.held():
-        results = perplexity(info.model, docs, lengths, args.stride, bos, args.chunk, not args.no_progress)
+        results = perplexity(info.model, docs, lengths, args.stride, bos, args.chunk, not args.no_progress,
+                             opening.compute())
     print(f"{METRIC}; stride {args.stride}; {len(docs)} documents")
     print(format_table(info.label, results))
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -31,13 +31,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from . import longctx
 from ..errors import UserError, command
 from ..lengths import tokens
 from ..files import write_atomic
 from ..resumable import RecordLog
+from .cost import Compute, WorkBar, shared_prefix
 from .haystack import essay_text
 from .opening import open_evaluation
 from .passkey import PrefixCachedGenerator
@@ -154,7 +154,7 @@ def run_ruler(model, tokenizer, lengths: list[int], tasks: list[str] | str = "al
               seed: int = 0, *, chunk: int = longctx.DEFAULT_CHUNK, depth_mode: str = "spread",
               haystack: str | Path | None = None, max_new_tokens: int | None = None, chat: bool | None = None,
               show_progress: bool = True, reuse: bool = True, builder: PromptBuilder | None = None,
-              done: list[Record] = (), on_record=None) -> RulerRun:
+              done: list[Record] = (), on_record=None, compute: Compute | None = None) -> RulerRun:
     """Generate, answer and score `samples` prompts of every task at every length (lengths in tokens).
 
     `tasks`: "all", a comma list or a list of names; `depth_mode`: "spread" or "uniform" needle depths;
@@ -163,7 +163,7 @@ def run_ruler(model, tokenizer, lengths: list[int], tasks: list[str] | str = "al
     (False) the tokenizer's chat template (default: use it when there is one); `reuse`: keep the KV cache of
     the prefix shared with the previous prompt; `builder`: a PromptBuilder made with the same settings;
     `done`: records of an interrupted run of the same settings, not run again; `on_record(record)`: called after
-    each sample that is run.
+    each sample that is run; `compute`: the model's shapes, for the progress bar's ETA (default: tokens).
     """
     tasks = parse_tasks(tasks) if isinstance(tasks, str) else parse_tasks(",".join(tasks))
     lengths = sorted(set(int(n) for n in lengths))
@@ -172,13 +172,14 @@ def run_ruler(model, tokenizer, lengths: list[int], tasks: list[str] | str = "al
     stop = stop_tokens(tokenizer)
     run = RulerRun(tasks, lengths)
     plan = evaluation_order(builder, tasks, lengths, samples)
+    works = planned_work(builder, plan, compute or Compute.tokens_only(), generator.reuse, max_new_tokens)
     finished = {(r.task, r.length, r.index): r for r in done}
-    with tqdm(plan, desc="ruler", unit="sample", disable=not show_progress, file=sys.stderr) as bar:
-        for task, length, index in bar:
+    with WorkBar("ruler", works, "sample", show_progress) as bar:
+        for i, (task, length, index) in enumerate(plan):
             if (task, length, index) in finished:
                 run.records.append(finished[(task, length, index)])
+                bar.skip(i)
                 continue
-            bar.set_postfix_str(f"{task} @ {length}", refresh=False)
             start = time.perf_counter()
             sample = builder.sample(task, length, index)
             middle = time.perf_counter()
@@ -189,10 +190,27 @@ def run_ruler(model, tokenizer, lengths: list[int], tasks: list[str] | str = "al
             run.records.append(Record(task, length, index, len(sample.tokens), [n.depth for n in sample.needles],
                                       [n.token for n in sample.needles], sample.references, output,
                                       match_all(output, sample.references)))
+            bar.done(i, f"{task} @ {length}")
             if on_record is not None:
                 on_record(run.records[-1])
     run.computed_tokens = generator.computed
     return run
+
+
+def planned_work(builder: PromptBuilder, plan: list[tuple[str, int, int]], compute: Compute, reuse: bool,
+                 max_new_tokens: int | None) -> list[float]:
+    """The predicted work of each sample of `plan` (`evaluation_order`): a prompt of its length, of which the text
+    before its first needle comes from the cache after a sample of the same length and reuse group, then its
+    answer budget; says on stderr what will run."""
+    depths = [(length, (builder.depths(task, length, index) or [0.0])[0]) for task, length, index in plan]
+    kept = shared_prefix(depths, lambda i: _reuse_group(plan[i][0])) if reuse else [0] * len(plan)
+    works = [compute.generation(length, k, max_new_tokens or TASKS[task].max_new_tokens)
+             for (task, length, _), k in zip(plan, kept)]
+    tokens = sum(length for _, length, _ in plan)
+    print(f"ruler: {len(plan)} samples ({len({t for t, _, _ in plan})} tasks at "
+          f"{', '.join(map(str, sorted({n for _, n, _ in plan})))} tokens): {tokens:,} prompt tokens, about "
+          f"{tokens - sum(kept):,} of them computed (the rest shared with the prompt before)", file=sys.stderr)
+    return works
 
 
 # ------------------------------------------------------------------------------------------------- CLI
@@ -285,7 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-chat", action="store_true",
                         help="plain prompts even when the tokenizer has a chat template")
     parser.add_argument("--output",
-                        help="JSON results (default ruler-<model name>.json here), and <stem>_heatmap.png next to it")
+                        help="JSON results, and <stem>_heatmap.png next to it (default: "
+                             "ruler-<lengths>-<N>samples.json in the model's results folder, see docs/evaluation.md)")
     parser.set_defaults(**longctx.settings_defaults(RulerSettings))
     return parser
 
@@ -335,6 +354,14 @@ def check_lengths(builder: PromptBuilder, tasks: list[str], lengths: list[int]) 
                         "longer --lengths or drop these from --tasks")
 
 
+def _tasks_name(tasks: list[str]) -> str:
+    """The tasks' part of a default output name: "" for all of them, their names joined by "+" when short."""
+    if tasks == list(TASKS):
+        return ""
+    joined = "+".join(tasks)
+    return joined if len(joined) <= 40 else f"{len(tasks)}tasks"
+
+
 @command("pose_mlx.ruler")
 def main(argv=None) -> int:
     run(RulerSettings(**vars(build_parser().parse_args(argv))))
@@ -351,15 +378,16 @@ def run(args: RulerSettings) -> RulerRun:
     builder = PromptBuilder(info.tokenizer, args.samples, args.seed, args.depths, args.haystack,
                             False if args.no_chat else None)
     check_lengths(builder, tasks, lengths)
-    out = opening.announce("chat template" if builder.fmt.chat else "plain prompts")
-    log = RecordLog(out, {"model": str(info.path), "schedule": info.schedule, "lengths": lengths, "tasks": tasks,
-                          "samples": args.samples, "seed": args.seed, "depths": args.depths,
-                          "haystack": args.haystack, "chat": builder.fmt.chat,
-                          "max_new_tokens": args.max_new_tokens}, Record)
+    header = {"model": str(info.path), "schedule": info.schedule, "lengths": lengths, "tasks": tasks,
+              "samples": args.samples, "seed": args.seed, "depths": args.depths, "haystack": args.haystack,
+              "chat": builder.fmt.chat, "max_new_tokens": args.max_new_tokens}
+    details = (f"{args.samples}samples", _tasks_name(tasks), f"seed{args.seed}" if args.seed else "")
+    out = opening.announce("chat template" if builder.fmt.chat else "plain prompts", details=details, header=header)
+    log = RecordLog(out, header, Record)
     with log.resumed("ruler", "samples", args.samples * len(tasks) * len(lengths)) as done, opening.held():
         scored = run_ruler(info.model, info.tokenizer, lengths, tasks, args.samples, args.seed, chunk=args.chunk,
                            max_new_tokens=args.max_new_tokens, show_progress=not args.no_progress, builder=builder,
-                           done=done, on_record=log.append)
+                           done=done, on_record=log.append, compute=opening.compute())
     print(f"RULER synthetic tasks, {args.samples} samples per task and length, greedy answers; score = fraction of "
           f"the references found in the output (case-insensitive), mean over samples ({scored.computed_tokens}/"
           f"{scored.prompt_tokens} prompt tokens computed, the rest reused from the KV cache)")

@@ -42,6 +42,7 @@ from ..training.checkpoint import last_files
 from .gguf import write_tokenizer
 from .patch import Extension, find_rope_modules, save_extension
 from .source import build_model
+from .stored import stored_dtype
 
 TOKENIZER_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
                       "*.tiktoken", "chat_template*", "generation_config.json", "*.py")
@@ -152,6 +153,16 @@ def export_config(model: nn.Module, config: dict) -> tuple[dict, bool]:
     return candidates[0], False
 
 
+def with_stored_dtype(config: dict, folder: Path) -> dict:
+    """`config` with torch_dtype (and dtype, which newer transformers write, when it has that key) set to the dtype
+    of the weights written in `folder` (`stored_dtype`), not the source's: a GGUF file's precision, or a 16-bit base
+    that the CPU fine-tuned and saved in float32. Without it the planner and the evaluators would assume 16 bits."""
+    dtype = stored_dtype(folder)
+    if dtype is None:
+        return config
+    return {**config, "torch_dtype": dtype, **({"dtype": dtype} if "dtype" in config else {})}
+
+
 def copy_tokenizer_files(source: Path, folder: Path) -> None:
     for pattern in TOKENIZER_PATTERNS:
         for path in Path(source).glob(pattern):
@@ -186,7 +197,7 @@ def export_model(model: nn.Module, config: dict, tokenizer_source: Path, output:
             save_model(tmp, model)
         else:
             save_weights(model, tmp)
-        save_config(new_config, tmp / "config.json")
+        save_config(with_stored_dtype(new_config, tmp), tmp / "config.json")
         copy_tokenizer_files(Path(tokenizer_source), tmp)
         save_extension(model, tmp, mlx_lm_exact=exact, **(record or {}))
         for name, path in (extra_files or {}).items():
@@ -223,7 +234,7 @@ def export_run(model: nn.Module, extension: Extension, plan, summary: dict,
     if plan.model.is_gguf:
         tokenizer_source = plan.partial / "tokenizer"
         write_tokenizer(plan.model.path, tokenizer_source)
-        # the file's precision and block types, not those of the weights written here
+        # the file's precision and block types, not those of the weights written here (`with_stored_dtype`)
         config = {k: v for k, v in config.items() if k not in ("torch_dtype", "gguf_quantization")}
     info = export_model(model, config, tokenizer_source, plan.output, save_weights=save_weights, record=record,
                         extra_files=logs, overwrite=plan.overwrite or plan.resume)
@@ -244,4 +255,4 @@ def export_run(model: nn.Module, extension: Extension, plan, summary: dict,
 
 
 __all__ = ["candidate_configs", "copy_tokenizer_files", "export_config", "export_model", "export_run",
-           "reproduces", "rope_response"]
+           "reproduces", "rope_response", "with_stored_dtype"]

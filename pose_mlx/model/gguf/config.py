@@ -25,6 +25,28 @@ def config_from_gguf(path_or_header) -> dict:
     arch = h.architecture
     if arch not in ARCHITECTURES:
         raise h.fail(f"unsupported architecture {_short(arch)} (supported: {', '.join(ARCHITECTURES)})")
+    shapes = _shapes(h, arch)
+    eps, theta = _norm_and_rope_base(h, arch)
+    context = _positive(h, f"{arch}.context_length")
+    config = {"model_type": ARCHITECTURES[arch], **shapes, "rms_norm_eps": eps, "rope_theta": theta,
+              "rope_traditional": False, "max_position_embeddings": context, "vocab_size": _vocabulary(h),
+              "tie_word_embeddings": "output.weight" not in h.tensors, "hidden_act": "silu",
+              "torch_dtype": file_dtype(h)}
+    quantized = sorted({t.type_name for t in h.tensors.values()} - set(FLOAT_TYPES))
+    if quantized:  # the file's weights are already quantized: the planner does not advise quantizing them
+        config["gguf_quantization"] = "+".join(quantized)
+    if arch == "llama":
+        config["attention_bias"] = "blk.0.attn_q.bias" in h.tensors
+        config["mlp_bias"] = "blk.0.ffn_up.bias" in h.tensors
+    scaling = _rope_scaling(h, arch, shapes["head_dim"], theta, context)
+    if scaling is not None:
+        config["rope_scaling"] = scaling
+    return {**config, **_special_tokens(h)}
+
+
+def _shapes(h: Header, arch: str) -> dict:
+    """The block's sizes (hidden_size ... head_dim, config.json's keys), checked against what mlx-lm's `arch`
+    builds: heads a multiple of kv heads, keys as long as values, a full rotary embedding over an even head dim."""
 
     def key(name):
         return f"{arch}.{name}"
@@ -48,55 +70,44 @@ def config_from_gguf(path_or_header) -> dict:
                      "rotary embedding over an even head dimension is supported")
     if arch == "qwen2" and head_dim * heads != hidden:
         raise h.fail(f"head dimension {head_dim} x {heads} heads != hidden size {hidden} (mlx-lm's qwen2 needs it)")
-    eps_key = key("attention.layer_norm_rms_epsilon")
+    return {"hidden_size": hidden, "num_hidden_layers": layers, "intermediate_size": ffn, "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads, "head_dim": head_dim}
+
+
+def _norm_and_rope_base(h: Header, arch: str) -> tuple[float, float]:
+    """(RMSNorm epsilon > 0, RoPE base theta > 1; 10000 when the file names none)."""
+    eps_key, theta_key = f"{arch}.attention.layer_norm_rms_epsilon", f"{arch}.rope.freq_base"
     eps = _decimal(h, eps_key, h.require(eps_key, float))
     if not eps > 0:
         raise h.fail(f"{eps_key} must be positive, got {eps}")
-    theta = _decimal(h, key("rope.freq_base"), h.get(key("rope.freq_base"), 10000.0, float))
+    theta = _decimal(h, theta_key, h.get(theta_key, 10000.0, float))
     if not theta > 1:
-        raise h.fail(f"{key('rope.freq_base')} must be > 1, got {theta}")
-    context = _positive(h, key("context_length"))
+        raise h.fail(f"{theta_key} must be > 1, got {theta}")
+    return eps, theta
+
+
+def _vocabulary(h: Header) -> int:
+    """The vocabulary size: the token embedding's row count (GGUF lists dims innermost first)."""
     embedding = h.tensors.get("token_embd.weight")
     if embedding is None:
         raise h.fail("missing tensor token_embd.weight")
     if len(embedding.dims) != 2:
         raise h.fail(f"tensor token_embd.weight has dims {list(embedding.dims)}, expected 2")
-    vocab = embedding.dims[1]
+    return embedding.dims[1]
 
-    config = {
-        "model_type": ARCHITECTURES[arch],
-        "hidden_size": hidden,
-        "num_hidden_layers": layers,
-        "intermediate_size": ffn,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "rms_norm_eps": eps,
-        "rope_theta": theta,
-        "rope_traditional": False,
-        "max_position_embeddings": context,
-        "vocab_size": vocab,
-        "tie_word_embeddings": "output.weight" not in h.tensors,
-        "hidden_act": "silu",
-        "torch_dtype": file_dtype(h),
-    }
-    quantized = sorted({t.type_name for t in h.tensors.values()} - set(FLOAT_TYPES))
-    if quantized:  # the file's weights are already quantized: the planner does not advise quantizing them
-        config["gguf_quantization"] = "+".join(quantized)
-    if arch == "llama":
-        config["attention_bias"] = "blk.0.attn_q.bias" in h.tensors
-        config["mlp_bias"] = "blk.0.ffn_up.bias" in h.tensors
-    scaling = _rope_scaling(h, arch, head_dim, theta, context)
-    if scaling is not None:
-        config["rope_scaling"] = scaling
+
+def _special_tokens(h: Header) -> dict:
+    """bos_token_id and eos_token_id where the file names them; an end-of-turn token other than eos joins it
+    (eos_token_id becomes [eos, eot], as Hugging Face lists several)."""
+    ids = {}
     for name, gguf_key in (("bos_token_id", "tokenizer.ggml.bos_token_id"),
                            ("eos_token_id", "tokenizer.ggml.eos_token_id")):
         if gguf_key in h.metadata:
-            config[name] = h.require(gguf_key, int)
+            ids[name] = h.require(gguf_key, int)
     eot = h.get("tokenizer.ggml.eot_token_id", None, int)
-    if eot is not None and eot != config.get("eos_token_id", eot):
-        config["eos_token_id"] = [config["eos_token_id"], eot]
-    return config
+    if eot is not None and eot != ids.get("eos_token_id", eot):
+        ids["eos_token_id"] = [ids["eos_token_id"], eot]
+    return ids
 
 
 def _decimal(h: Header, key: str, value) -> float:

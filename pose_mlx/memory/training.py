@@ -1,0 +1,361 @@
+"""The peak memory of one fine-tuning step, from the model's shapes and the run's settings alone.
+
+One training step (what `pose_mlx.training.loop.train` logs as `peak_memory_gb`, from the second step on, once
+the AdamW state exists) peaks at
+
+    weights + LoRA adapters + AdamW state (2 x trainable x their bytes) + max(head, backward, update)
+
+with n trained blocks, T = batch x tokens per row (window - 1 with PoSE, target - 1 with full-length sampling),
+c the bytes of the compute dtype and S = batch x heads x L^2 x c, one attention-score matrix (MLX differentiates
+attention through the unfused softmax(Q K^T / sqrt(d)) V, on the CPU and on Metal, so the backward keeps it):
+
+- saved(block), what a block keeps for its backward: T c (2 hidden: the residual stream in and after attention;
+  2 q_dims: q after RoPE, the attention output; 2 kv_dims: k after RoPE, v; 5 intermediate: gate, up, sigmoid,
+  SiLU, product) + 8 T hidden bytes per norm (MLX's RMSNorm keeps a float32 normalized copy and its output)
+  + S (the softmax output) + 4 T rank per LoRA adapter (x A). With gradient checkpointing: the block input only.
+- kept(block), what a block already differentiated still holds: MLX's evaluator orders the graph so that the
+  weight (or LoRA) gradient products come last, at the end of the backward; until then they hold their inputs
+  and output gradients, f T c (sum of the linear layers' outputs + 2 hidden + q_dims + intermediate) + extras.
+- head = n saved + 4 T vocab x 4 bytes (the float32 logits, the log-sum-exp's and softmax's temporaries, the
+  logits' gradient) + a working set of T-sized arrays (the first block gradients, already allocated).
+- backward = max over k of (k saved + (n - k) kept) + 2 S (the softmax gradient and its temporary) + a working
+  set of T-sized arrays; with checkpointing the block being differentiated is recomputed: its saved() returns.
+- update (full fine-tuning) = gradients + AdamW's temporaries, 4 arrays for each parameter in flight.
+
+Why working sets: MLX's CPU evaluator allocates the outputs of up to ~50 queued operations before the earlier
+ones have run and freed their inputs, so several temporaries are alive at once (a compiled update fuses each
+parameter's AdamW step into few operations, hence more parameters in flight). Their counts (`COUNTS`: per
+hidden- and intermediate-sized activation, per score matrix, per parameter) were measured on small llamas with
+the CPU backend; `benchmarks/bench_plan.py` checks the whole model on other models and settings. Metal fuses
+RMSNorm and the loss, so there the prediction errs high.
+
+On a GPU (`TrainSettings.backend` "cuda" or "metal") two things change. The attention: MLX's CUDA backend runs
+cuDNN's fused attention for 16-bit models, which keeps no score matrix when the rows' query length is a multiple
+of 128 and recomputes it in the backward otherwise (`attention_path`; Metal trains unfused, like the CPU). And the
+activations, logits and temporaries are scaled by `GPU_FACTORS`, fitted to measurements on an H200 (docs/memory.md
+says which numbers are measured and which modelled). Rows are those really trained: window - 1 inputs padded to
+`row_multiple` (finetune's --align-rows). The weights are counted in the dtype they have once loaded
+(`loaded_architecture`: a GGUF file is dequantized to float32 on the CPU, kept quantized on a GPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import UserError
+from .architecture import Architecture, Linear, architecture
+from .device import BACKENDS
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """What of a fine-tuning run decides its memory (`python -m pose_mlx.finetune`'s flags)."""
+
+    window: int  # the training window Lc (PoSE trains on this many tokens per row)
+    batch_size: int = 1
+    lora: bool = True  # False: full fine-tuning
+    lora_rank: int = 8
+    lora_layers: int = -1  # LoRA in the last N blocks (-1: all)
+    lora_keys: tuple | None = None  # None: mlx-lm's default, every linear layer of a block
+    grad_checkpoint: bool = False
+    compile: bool = True
+    grad_accum: int = 1
+    sampler: str = "pose"  # how position ids are drawn; "full": full-length sampling, rows of `target` tokens
+    target: int | None = None
+    backend: str = "cpu"  # where MLX computes: "cpu", "metal" or "cuda" (`compute_backend`)
+    row_multiple: int = 1  # rows padded to a multiple of this (finetune's --align-rows; 128 when on)
+    cudnn: bool = True  # with CUDA: the GPU runs cuDNN's attention (compute capability 8 or newer, `cudnn_capable`)
+
+    def __post_init__(self):  # the contract: built from validated settings (`run_settings`), or by tests
+        assert min(self.window, self.batch_size, self.lora_rank, self.grad_accum) >= 1, self
+        assert self.sampler != "full" or self.target, "full-length sampling needs the target length"
+        assert self.backend in BACKENDS, self.backend
+
+    @property
+    def row_tokens(self) -> int:
+        """Tokens per row the model sees: inputs are a window (or, for --sampler full, the target) minus the
+        last token, which is only a label, padded up to a multiple of `row_multiple`."""
+        length = self.target if self.sampler == "full" else self.window
+        return -(-max(int(length) - 1, 1) // self.row_multiple) * self.row_multiple
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Arrays alive at once beyond the structural terms, in units of one activation of the given shape.
+
+    `kept`: per block already differentiated, beyond the inputs and output gradients of its linear layers
+    (T*hidden, T*intermediate); `head`: (T*vocab in fp32, T*hidden, T*intermediate); `backward`: one block's
+    working set (score matrices S, T*hidden, T*intermediate); `update`: parameters whose AdamW update is in
+    flight at once (4 arrays of their size each).
+    """
+
+    kept: tuple = (0, 0)
+    head: tuple = (4, 8, 6)
+    backward: tuple = (2, 20, 6)
+    update: int = 5
+    gradients: tuple = (0, 0)  # full fine-tuning: (embedding-sized at the head, block-sized in the backward)
+    kept_fraction: float = 1.0  # of the linear layers' inputs and output gradients still waiting
+    checkpointed: tuple = (0, 0, 0)  # with checkpointing, per block beyond its input (T*hidden, T*inter, S)
+
+
+#: Measured on small llamas with MLX's CPU backend (fp32; 1-12 blocks, hidden 32-1024, windows 64-768, batch
+#: 1-4, vocabulary 512-32768; 450 runs), (lora, compile, grad_checkpoint) -> counts. Checkpointing under
+#: mx.compile keeps little per block (layer sweeps: about one hidden- and one intermediate-sized array).
+COUNTS = {
+    (True, False, False): Counts(head=(4, 6, 6), backward=(2, 16.5, 6), update=5),
+    (True, True, False): Counts(head=(4, 8.5, 8), backward=(2, 25, 6.5), update=41),
+    (True, False, True): Counts(kept=(3.5, 2.5), head=(4, 5.5, 6.5), backward=(2, 14.5, 8.5), update=5,
+                                kept_fraction=0.6),
+    (True, True, True): Counts(kept=(1, 1), head=(4, 15, 12.5), backward=(2.5, 24, 9), update=41,
+                               kept_fraction=0, checkpointed=(2, 0, 0)),
+    (False, False, False): Counts(head=(4, 17.5, 3.5), backward=(2, 39.5, 3.5), update=13.5),
+    (False, True, False): Counts(head=(4, 41.5, 3), backward=(2, 49.5, 3.5), update=40),
+    (False, False, True): Counts(kept=(6.5, 2.5), head=(4, 42, 10), backward=(2, 35.5, 4.5), update=8.5,
+                                 kept_fraction=0.7),
+    (False, True, True): Counts(kept=(4.5, 3), head=(4, 48, 0), backward=(2.5, 40.5, 2.5), update=40.5,
+                                gradients=(0.5, 0), kept_fraction=0, checkpointed=(4, 0, 0)),
+}
+
+
+@dataclass
+class Estimate:
+    """Predicted peak bytes of one training step (or an evaluation), split into what is alive at the peak."""
+
+    peak: int
+    phase: str  # where the peak is: "head" (logits), "backward", "update" (full fine-tuning), "eval"
+    breakdown: dict  # component -> bytes alive at the peak; they sum to `peak`
+    details: dict  # parameter counts, per-block bytes, the other phases' peaks
+
+    def as_dict(self) -> dict:
+        return {"peak_bytes": self.peak, "phase": self.phase, "breakdown": dict(self.breakdown),
+                "details": dict(self.details)}
+
+
+def _lora_shapes(arch: Architecture, settings: TrainSettings) -> tuple[int, list[Linear]]:
+    """(blocks with adapters, the linear layers that get one)."""
+    linears = arch.block_linears()
+    if settings.lora_keys is not None:
+        unknown = sorted(set(settings.lora_keys) - {lin.key for lin in linears})
+        if unknown:
+            raise UserError(f"LoRA keys {', '.join(unknown)} are not linear layers of a {arch.family} block "
+                            f"({', '.join(lin.key for lin in linears)})")
+        linears = [lin for lin in linears if lin.key in settings.lora_keys]
+    blocks = arch.layers if settings.lora_layers < 0 else settings.lora_layers
+    assert 1 <= blocks <= arch.layers, "--lora-layers is checked against the model by pose_mlx.plan"
+    return blocks, linears
+
+
+def _mlp_saved(arch: Architecture) -> int:
+    """T x intermediate arrays an MLP keeps for its backward: gate, up, sigmoid, silu, product (SwiGLU);
+    gemma's GELU keeps its erf terms too; a plain MLP keeps its input and activation."""
+    if not arch.spec.gated:
+        return 3
+    return 6 if arch.family in ("gemma", "gemma2") else 5
+
+
+#: The query length MLX's CUDA attention backward needs for cuDNN (mlx/fast.cpp and
+#: mlx/backend/cuda/scaled_dot_product_attention.cpp: ScaledDotProductAttentionVJP::use_fallback).
+FUSED_BACKWARD_ROWS = 128
+
+
+def attention_path(arch: Architecture, settings: TrainSettings) -> str:
+    """How MLX differentiates a training step's attention on `settings.backend` (see docs/memory.md for the
+    sources): "unfused" (softmax(Q K^T / sqrt(d)) V, scores kept for the backward: the CPU, and Metal, which
+    trains unfused on purpose), "fused" (CUDA: cuDNN forward and backward, no score matrix at all: a 16-bit
+    model, head dims a multiple of 8 up to 128, rows a multiple of 128) or "fused-forward" (the same on CUDA with
+    other row lengths: the forward is fused, the backward recomputes the scores through the unfused path)."""
+    if settings.backend != "cuda" or not settings.cudnn or arch.dtype not in ("float16", "bfloat16") \
+            or arch.spec.softcap:
+        return "unfused"
+    if arch.head_dim % 8 or arch.head_dim > 128:
+        return "unfused"
+    return "fused" if settings.row_tokens % FUSED_BACKWARD_ROWS == 0 else "fused-forward"
+
+
+#: On a GPU, arrays that the CPU evaluator frees at once are kept until the kernels queued with them have run, so
+#: more activations and temporaries are alive: (compile, grad_checkpoint) -> factor on those (not on the weights,
+#: the optimizer state or the score matrices). Not derived: fitted, each to the measured peak of one configuration
+#: of a random Llama-2-7B-shaped bfloat16 llama (LoRA rank 8 on every block, 4096 window, target 32k) on an
+#: NVIDIA H200 (mlx-cuda 0.32.4, 2026-11-26); the factor that reproduces a measurement exactly is the one this
+#: table's terms need, rounded up for a margin (docs/memory.md, "GPU factors", has the numbers):
+#: - (True, True) 2.15: compiled, checkpointed, 4095-input rows: 31.4 GiB, i.e. 2.07. Measured in a session before
+#:   benchmarks/bench_gpu.py existed: in no results file (gpu.json's run of it ran out of the shared GPU's memory).
+#: - (False, True) 1.08: eager, checkpointed: 55.9 GiB at 4095 inputs (that session), i.e. 1.04, and 53.2 GiB at
+#:   4096 (benchmarks/results/gpu/gpu.json, `plan` "eager, checkpointing"), i.e. 1.05.
+#: - (True, False) 1.08: assumed as eager; gpu.json's "compiled, no checkpointing" (51.7 GiB) implies 0.80, so it
+#:   errs 26% high, kept on the safe side until a second measurement agrees.
+#: - (False, False) 1.08: assumed as eager; never measured (gpu.json skipped it for time).
+#: A bench_gpu.py run alone on a GPU, another model shape, dtype or MLX version would refit them.
+GPU_FACTORS = {(True, True): 2.15, (True, False): 1.08, (False, True): 1.08, (False, False): 1.08}
+TRANSIENT = ("activations", "logits", "backward_temporaries", "update_temporaries")
+
+
+@dataclass(frozen=True)
+class _Activation:
+    """Bytes of one activation of each width for the T = batch x row tokens of a step, in the compute dtype
+    (the logits in float32, as the loss reads them), and of one score matrix S = batch x heads x L^2."""
+
+    tokens: int  # T
+    hidden: int  # T x hidden
+    queries: int  # T x q_dims
+    keys: int  # T x kv_dims (keys or values)
+    intermediate: int  # T x intermediate
+    logits: int  # T x vocabulary, float32
+    scores: int  # S
+    log_sum_exp: int  # batch x heads x L, float32 (what cuDNN's fused backward keeps instead of S)
+
+
+def _activation(arch: Architecture, settings: TrainSettings) -> _Activation:
+    c, batch, length = arch.dtype_bytes, settings.batch_size, settings.row_tokens
+    tokens = batch * length
+    return _Activation(tokens, tokens * arch.hidden * c, tokens * arch.q_dims * c, tokens * arch.kv_dims * c,
+                       tokens * arch.intermediate * c, tokens * arch.vocab * 4,
+                       batch * arch.heads * length * length * c, batch * arch.heads * length * 4)
+
+
+@dataclass(frozen=True)
+class _Trained:
+    """What a step trains: n blocks, the linear layers of a block whose weight (or adapter) gradients come last,
+    the trainable parameters and their bytes, and the arrays AdamW updates."""
+
+    blocks: int
+    linears: list
+    parameters: int
+    parameter_bytes: int  # per parameter: float32 adapters, else the model's dtype
+    adapter_bytes: int  # the LoRA adapters (0: full fine-tuning trains the weights themselves)
+    arrays: int
+    adapter_activations: int  # bytes per block the adapters keep for their backward: x A (and float32 inputs)
+
+
+def _trained(arch: Architecture, settings: TrainSettings, act: _Activation) -> _Trained:
+    if settings.lora:
+        blocks, linears = _lora_shapes(arch, settings)
+        adapters = blocks * settings.lora_rank * sum(lin.inputs + lin.outputs for lin in linears)
+        kept = len(linears) * act.tokens * settings.lora_rank * 4  # x @ A, kept for B's gradient
+        if arch.dtype_bytes < 4:  # float32 adapters promote their input: each keeps a float32 copy for A's gradient
+            kept += 4 * act.tokens * sum(lin.inputs for lin in linears)
+        return _Trained(blocks, linears, adapters, 4, adapters * 4, 2 * blocks * len(linears), kept)
+    linears = arch.block_linears()
+    per_block = len(linears) + sum(lin.bias for lin in linears)
+    per_block += arch.spec.block_norms * (2 if arch.spec.norm_bias else 1) + (2 if arch.spec.qk_norm else 0)
+    arrays = arch.layers * per_block + 2 + (0 if arch.tied else 1) + (1 if arch.spec.norm_bias else 0)
+    return _Trained(arch.layers, linears, arch.parameter_counts()["total"], arch.dtype_bytes, 0, arrays, 0)
+
+
+@dataclass(frozen=True)
+class _Block:
+    """Bytes of one trained block in the backward pass, each split into score matrices and the rest: what it
+    keeps for its backward (`saved`), what is recomputed for the block being differentiated (checkpointing), and
+    what a block already differentiated still holds (`kept`, scores none)."""
+
+    saved: float
+    saved_scores: float
+    recomputed: float
+    recomputed_scores: float
+    kept: float
+
+
+def _block(arch: Architecture, settings: TrainSettings, counts: Counts, act: _Activation, trained: _Trained,
+           path: str) -> _Block:
+    c, norms = arch.dtype_bytes, arch.spec.block_norms
+    qk_norms = 8 * (act.queries + act.keys) // c if arch.spec.qk_norm else 0  # normalized input and output
+    everything = (2 * act.hidden + norms * 8 * act.hidden // c + 2 * act.queries + 2 * act.keys
+                  + _mlp_saved(arch) * act.intermediate + qk_norms + trained.adapter_activations)
+    scores = act.scores * (2 if arch.spec.softcap else 1)
+    if settings.grad_checkpoint:  # the block input stays; the block being differentiated is recomputed
+        hidden_arrays, intermediate_arrays, score_arrays = counts.checkpointed
+        saved = act.hidden + hidden_arrays * act.hidden + intermediate_arrays * act.intermediate
+        saved_scores, recomputed, recomputed_scores = score_arrays * act.scores, everything, scores
+    else:
+        saved, saved_scores, recomputed, recomputed_scores = everything, scores, 0, 0
+    if path != "unfused":  # the fused forward keeps no scores; the unfused backward recomputes them
+        saved_scores, recomputed_scores = 0, (0 if path == "fused" else scores)
+    if path == "fused":  # cuDNN's backward keeps the float32 log-sum-exp of each query instead
+        saved += act.log_sum_exp if not settings.grad_checkpoint else 0
+        recomputed += act.log_sum_exp
+    # the inputs and output gradients of a block's linear layers wait for the (last) weight-gradient products
+    # (distinct inputs: the two norm outputs, the attention output and the MLP's product)
+    # (LoRA: the adapters' output gradients are float32, and so are their promoted inputs)
+    output_bytes = 4 if settings.lora else c
+    waiting = act.tokens * (output_bytes * sum(lin.outputs for lin in trained.linears)
+                            + c * (2 * arch.hidden + arch.q_dims + arch.intermediate)) \
+        + (trained.adapter_activations if c < 4 else 0)
+    hidden_arrays, intermediate_arrays = counts.kept
+    kept = int(counts.kept_fraction * waiting) + (hidden_arrays * act.hidden + intermediate_arrays * act.intermediate)
+    return _Block(saved, saved_scores, recomputed, recomputed_scores, kept)
+
+
+def _working_sets(arch: Architecture, settings: TrainSettings, counts: Counts, act: _Activation,
+                  path: str) -> tuple[float, float, float, float]:
+    """(logits at the head, the head's other temporaries, the backward's score-sized and other temporaries): the
+    `COUNTS` arrays alive at once, in bytes."""
+    c = arch.dtype_bytes
+    logit_copies, hidden_arrays, intermediate_arrays = counts.head
+    logits = logit_copies * act.logits + (act.tokens * arch.vocab * c if c < 4 else 0) \
+        + (2 * act.logits if arch.spec.softcap else 0)
+    # in a 16-bit model about half of these temporaries are float32 (RMSNorm, RoPE, loss, LoRA)
+    wide = (c + 4) / (2 * c)
+    head = wide * (hidden_arrays * act.hidden + intermediate_arrays * act.intermediate)
+    score_arrays, hidden_arrays, intermediate_arrays = counts.backward
+    backward_scores = 0 if path == "fused" else score_arrays * act.scores
+    backward = wide * (hidden_arrays * act.hidden + intermediate_arrays * act.intermediate)
+    if not settings.lora:  # weight gradients already allocated by the evaluator running ahead
+        embeddings, blocks = counts.gradients
+        params = arch.parameter_counts()
+        head += int(embeddings * params["embedding"] * c)
+        backward += int(blocks * params["block"] * c)
+    return logits, head, backward_scores, backward
+
+
+def _phases(arch: Architecture, settings: TrainSettings, counts: Counts, act: _Activation, trained: _Trained,
+            block: _Block, path: str) -> dict:
+    """{phase: {component: bytes alive at its peak}} for the head, the backward and the update (module
+    docstring), scaled by `GPU_FACTORS` on a GPU."""
+    n = trained.blocks
+    gradients = trained.parameters * trained.parameter_bytes
+    persistent = {"weights": arch.weight_bytes(), "lora_adapters": trained.adapter_bytes,
+                  "optimizer_state": 2 * gradients, "gradients": gradients if settings.grad_accum > 1 else 0}
+    logits, head_rest, work_scores, work_rest = _working_sets(arch, settings, counts, act, path)
+    saved, saved_scores, kept = block.saved, block.saved_scores, block.kept
+    phases = {}
+    phases["head"] = {**persistent, "activations": n * saved, "attention_scores": n * saved_scores,
+                      "logits": logits, "backward_temporaries": head_rest, "update_temporaries": 0}
+    # the backward's peak: k blocks still to differentiate keep what they saved, the n - k done ones what waits
+    last = max(range(1, n + 1), key=lambda k: k * (saved + saved_scores) + (n - k) * kept)
+    phases["backward"] = {**persistent, "activations": last * saved + (n - last) * kept,
+                          "attention_scores": last * saved_scores + work_scores + block.recomputed_scores,
+                          "logits": 0, "backward_temporaries": work_rest + block.recomputed, "update_temporaries": 0}
+    in_flight = min(trained.arrays, counts.update)
+    phases["update"] = {**persistent, "gradients": gradients, "activations": 0, "attention_scores": 0, "logits": 0,
+                        "backward_temporaries": 0,
+                        "update_temporaries": 4 * in_flight * gradients // max(trained.arrays, 1)}
+    if settings.backend != "cpu":
+        factor = GPU_FACTORS[(settings.compile, settings.grad_checkpoint)]
+        phases = {name: {k: v * factor if k in TRANSIENT else v for k, v in parts.items()}
+                  for name, parts in phases.items()}
+    return {name: {k: int(v) for k, v in parts.items()} for name, parts in phases.items()}
+
+
+def training_memory(config: dict | Architecture, settings: TrainSettings) -> Estimate:
+    """Peak bytes of one training step of `settings` on the model of `config` (second and later steps,
+    when the AdamW state exists): see the module docstring for the terms."""
+    arch = config if isinstance(config, Architecture) else architecture(config)
+    if not settings.lora and arch.quant_bits:
+        raise UserError("full fine-tuning cannot train a quantized model; use LoRA (--lora) or an unquantized base")
+    counts = COUNTS[(settings.lora, settings.compile, settings.grad_checkpoint)]
+    act = _activation(arch, settings)
+    trained = _trained(arch, settings, act)
+    path = attention_path(arch, settings)
+    block = _block(arch, settings, counts, act, trained, path)
+    phases = _phases(arch, settings, counts, act, trained, block, path)
+    totals = {name: sum(parts.values()) for name, parts in phases.items()}
+    phase = max(totals, key=totals.get)
+    details = {
+        "parameters": arch.parameter_counts()["total"], "trainable_parameters": trained.parameters,
+        "trained_blocks": trained.blocks, "tokens_per_row": settings.row_tokens,
+        "tokens_per_step": act.tokens * settings.grad_accum, "dtype": arch.dtype,
+        "activation_bytes_per_block": block.saved + block.saved_scores, "score_matrix_bytes": act.scores,
+        "logits_bytes": act.logits, "phase_peaks": totals, "family": arch.family, "known_family": arch.known,
+        "warnings": list(arch.warnings), "backend": settings.backend, "attention": path,
+    }
+    return Estimate(totals[phase], phase, phases[phase], details)
