@@ -498,7 +498,8 @@ def test_the_package_exports_every_public_name_of_its_modules():
 def test_gpu_factors_never_predict_below_a_committed_gpu_measurement():
     """Every peak that benchmarks/bench_gpu.py measured (benchmarks/results/gpu/gpu.json: the Llama-2-7B shape,
     bfloat16, LoRA rank 8 on every block, rows aligned to 128 inputs by --align-rows auto) is at most the planner's
-    prediction with today's `GPU_FACTORS` (the settings rebuilt: the parts no factor scales are the file's);
+    prediction with today's `GPU_FACTORS`, and the prediction at most 10% above it (the settings rebuilt: the parts
+    no factor scales are the file's);
     docs/memory.md says which measurement each factor comes from."""
     record = json.loads((ROOT / "benchmarks" / "results" / "gpu" / "gpu.json").read_text())
     config = {**LLAMA2_7B, "torch_dtype": record["model"]["dtype"]}
@@ -510,4 +511,4 @@ def test_gpu_factors_never_predict_below_a_committed_gpu_measurement():
         estimate = memory.training_memory(config, settings)
         for part in ("weights", "lora_adapters", "optimizer_state"):
             assert estimate.breakdown[part] == entry["breakdown"][part], (entry["config"], part)
-        assert estimate.peak >= entry["measured_bytes"], entry["config"]
+        assert entry["measured_bytes"] <= estimate.peak <= 1.10 * entry["measured_bytes"], entry["config"]
