@@ -78,7 +78,8 @@ def measure(args) -> dict:
     flop = 2 * n**3
     return {"gflops": flop / statistics.median(matmul_times) / 1e9, "step_s": statistics.median(step_times),
             "best_gflops": flop / min(matmul_times) / 1e9, "best_step_s": min(step_times),
-            "blas_library": status.get("library"), "blas_reason": status.get("reason"),
+            "blas_library": status.get("library") and os.path.basename(status["library"]),
+            "blas_reason": status.get("reason"),
             "device": str(mx.default_device()), "mlx_version": mx.__version__}
 
 

@@ -111,6 +111,17 @@ def joined_corpus(docs: Path, gguf: Path, work: Path, minimum: int) -> Path:
     return out
 
 
+def data_summary(folder: Path) -> dict:
+    """protocol_full/data.json: how many pieces, their tokens (in all, fewest, most) and the folders joined."""
+    pieces = json.loads((folder / "pieces.json").read_text())["pieces"]
+    tokens = [p["tokens"] for p in pieces]
+    summary = {"pieces": len(pieces), "tokens": sum(tokens), "fewest": min(tokens), "most": max(tokens),
+               "folders": sorted({f for p in pieces for f in p["folders"]})}
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "data.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
+
+
 # ------------------------------------------------------------------------------------------ training, with snapshots
 
 
@@ -408,7 +419,8 @@ def main(argv=None) -> int:
     failed = []
     if args.stage in ("data", "train", "all"):
         data = joined_corpus(args.docs, gguf, args.work, protocol["data"]["piece_min_tokens"])
-        print(f"joined documents: {data}", flush=True)
+        summary = data_summary(data)
+        print(f"joined documents: {data} ({summary['pieces']} pieces, {summary['tokens']:,} tokens)", flush=True)
     if args.stage in ("train", "all"):
         print(f"device: {device()}", flush=True)
         failed += run_all([(n, protocol, gguf, args.work, data) for n in names], train, 1, label=1)

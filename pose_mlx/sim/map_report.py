@@ -105,11 +105,20 @@ def _comparable(config: MapConfig, grid: dict, out: Path) -> str | None:
     return None
 
 
+def _shown(path: Path) -> str:
+    """`path` as the record names it: relative to the current folder when inside it (no machine's paths)."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return path.name
+
+
 def reproduction(config: MapConfig, out: Path) -> dict:
     """The map's cells at the grid's factor against the grid's runs (`config.check_against`): a row per number
     both have; "reproduces" is True when every measured one matches (perplexity to `PPL_RTOL`, passkey
     exactly), None while none is measured or when there is nothing to compare."""
-    record = {"against": config.check_against, "factor": config.sim.factor, "target": config.sim.target,
+    against = None if config.check_against is None else _shown(Path(config.check_against))
+    record = {"against": against, "factor": config.sim.factor, "target": config.sim.target,
               "rows": [], "reproduces": None}
     if config.check_against is None:
         return {**record, "why_not": "no grid to check against (--check-against none)"}
@@ -198,7 +207,7 @@ def _config(config: MapConfig) -> dict:
             "tokens_per_update": c.window_batch * c.window,
             "full_batch": {str(f): config.full_batch(f) for f in config.factors},
             "passkey_trials_per_seed": c.passkey_trials, "eval_docs": c.eval_docs, "eval_stride": c.eval_stride,
-            "grid_names": GRID_NAMES, "sim": c.to_dict()}
+            "grid_names": GRID_NAMES, "sim": {k: v for k, v in c.to_dict().items() if k != "out"}}
 
 
 def write(config: MapConfig, out: Path, folder: Path, stages: list[str]) -> Path:
