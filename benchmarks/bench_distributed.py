@@ -51,7 +51,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import RESULTS_DIR, child_env, synthetic_corpus, write_results
+from benchmarks.common import RESULTS_DIR, blas_threads, child_env, synthetic_corpus, write_results
 
 RESULT = "RESULT "
 
@@ -162,7 +162,7 @@ def _run(ranks: int, how: str, args, worker_args: list[str]) -> tuple[list[dict]
     """The workers' results (sorted by rank) and the CPU seconds of everything `how` started (ranks included).
 
     `how`: "single" (one process), "direct" (ranks started here with a ring hostfile) or "mlx.launch"."""
-    env = child_env(OPENBLAS_NUM_THREADS=str(args.threads))
+    env = child_env(**blas_threads(args.threads))
     me = [sys.executable, "-m", "benchmarks.bench_distributed", "--worker", *worker_args]
     cpu = _children_cpu()
     if how == "direct":

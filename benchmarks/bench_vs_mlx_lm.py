@@ -27,7 +27,7 @@ final validation): the whole loop's period, measured by one clock outside both t
 updates; tokens/s = batch * (window - 1) / that median; the ratio pose_mlx / mlx-lm is taken round by round and its
 median reported, for the wall clock and for CPU time (which moves less on a shared machine). Each tool's own
 per-update figure (pose_mlx's log.jsonl, mlx-lm's tok/s column) is recorded too. Every child gets
-OPENBLAS_NUM_THREADS=`--threads` (default 1: on a small shared machine a single BLAS thread gives CPU times that
+OPENBLAS_NUM_THREADS and MKL_NUM_THREADS =`--threads` (default 1: on a small shared machine a single BLAS thread gives CPU times that
 are pure work; 0 leaves the variable alone). One untimed run of each tool first fills the caches.
 
 The BLAS: both children import `pose_mlx` before anything else (it loads OpenBLAS or MKL before `mlx.core`; the
@@ -50,8 +50,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import (RESULTS_DIR, check_lengths, child_env, make_inputs, own_seconds, periods, run_tool,
-                               tool_command, write_results)
+from benchmarks.common import (RESULTS_DIR, blas_threads, check_lengths, child_env, make_inputs, own_seconds,
+                               periods, run_tool, tool_command, write_results)
 
 VARIANTS = ("full", "full-noclip", "lora")
 _TRAINABLE = re.compile(r"Trainable parameters:\s*[\d.]+%\s*\(([\d.]+)M/([\d.]+)M\)")
@@ -184,7 +184,7 @@ def profile_worker(args) -> None:
 def profile(args, model: Path) -> dict:
     """Run `profile_worker` in a child (with the benchmark's BLAS threads); its parts and the differences that
     answer where time goes."""
-    env = child_env(**({"OPENBLAS_NUM_THREADS": str(args.threads)} if args.threads else {}))
+    env = child_env(**(blas_threads(args.threads) if args.threads else {}))
     cmd = [sys.executable, "-m", "benchmarks.bench_vs_mlx_lm", "--profile-worker", str(model),
            *[f"--{k}={getattr(args, k)}" for k in ("window", "batch", "factor", "profile_reps")]]
     proc = subprocess.run([c.replace("profile_reps", "profile-reps") for c in cmd], env=env, capture_output=True,

@@ -66,6 +66,11 @@ def child_env(**extra: str) -> dict:
     return dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1", NO_COLOR="1", **extra)
 
 
+def blas_threads(n: int) -> dict:
+    """The environment that gives the fast BLAS `n` threads, whichever library `auto` loads (OpenBLAS or MKL)."""
+    return {"OPENBLAS_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n)}
+
+
 # ------------------------------------------------------------------------------------------ measuring and inputs
 
 

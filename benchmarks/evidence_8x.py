@@ -134,6 +134,17 @@ def goal(protocol: dict, tests: list[dict], ppl_tests: list[dict]) -> dict:
             "held": None if None in states else all(states)}
 
 
+def best_training_free(protocol: dict, runs: dict) -> str | None:
+    """The training-free run with the most passkey keys at the target, ties to the lower target perplexity; None
+    until every training-free run has both."""
+    key = str(protocol["target"])
+    free = [n for n, r in protocol["runs"].items() if r["role"] == "training-free"]
+    numbers = {n: (runs.get(n, {}).get("passkey", {}).get(key), runs.get(n, {}).get("ppl", {}).get(key)) for n in free}
+    if any(None in pair for pair in numbers.values()):
+        return None
+    return min(free, key=lambda n: (-numbers[n][0], numbers[n][1]))
+
+
 def report(protocol: dict) -> dict:
     """`factor_8x` in results.json, and protocol_8x/report.md with its plots."""
     runs = gather(protocol)
@@ -143,8 +154,10 @@ def report(protocol: dict) -> dict:
         if a is not None and b is not None and len(a) == len(b):
             t["discordant"] = dict(zip(("pose_only", "control_only"), discordant(a, b)))
     ppl_tests = perplexity_tests(protocol, runs)
-    block = {"target": protocol["target"], "protocol": str(PROTOCOL.relative_to(REAL_MODEL.parents[2])),
-             "runs": runs, "tests": tests, "perplexity_tests": ppl_tests,
+    block = {"model": protocol["model"], "original": protocol["original"], "target": protocol["target"],
+             "protocol": str(PROTOCOL.relative_to(REAL_MODEL.parents[2])), "runs": runs, "tests": tests,
+             "headline": next(n for n, r in protocol["runs"].items() if r["role"] == "pose"),
+             "best_training_free": best_training_free(protocol, runs), "perplexity_tests": ppl_tests,
              "goal": goal(protocol, tests, ppl_tests)}
     path = REAL_MODEL / "results.json"
     results = json.loads(path.read_text())

@@ -3,7 +3,8 @@
 `python -m benchmarks.sim_agreement` recomputes `sim_agreement` (`pose_mlx.sim.agreement`: Kendall's tau-b between
 the simulator's and the real model's rankings of the methods on perplexity and passkey at each one's target) from
 benchmarks/results/sim/results.json and benchmarks/results/real_model/results.json (its `runs` and
-`protocol_runs`), and writes it into both files and into the simulator's report.md (its "Agreement with the real
+`protocol_runs`), and writes it into both files (the real model's under `sim_agreement.grid`, with the taus without
+the methods where the rankings part, `ablations`) and into the simulator's report.md (its "Agreement with the real
 model" section), leaving everything else as it was (it updates those records, so it does not write through
 `common.write_results`). bench_evidence runs it after each write of the real model's results, so new real-model
 runs are picked up; `python -m pose_mlx.sim` computes the same when it assembles its report.
@@ -48,6 +49,10 @@ def replace_section(report: str, section: list[str]) -> str:
     return report[:start] + text + report[end + 1:]
 
 
+#: In the real model's results.json, `sim_agreement` holds this record under "grid" beside the factor map's agreement
+#: at each factor ("4x", "8x": benchmarks.evidence_summary).
+GRID_NOTE = "the simulator's grid at its 8x (Lt = 1024) against the real model at 4x (8k -> 32k)"
+
 #: The methods left out in the agreement's ablations: where the two rankings part (docs/simulator.md).
 ABLATIONS = {"without dynamic, adapt-dynamic": ("dynamic", "adapt-dynamic"), "without adapt-yarn": ("adapt-yarn",)}
 
@@ -68,10 +73,11 @@ def refresh(sim: Path = SIM, real: Path = REAL) -> dict:
     """Recompute and write the agreement (both results.json files, the report); returns it."""
     sim_results, real_results = (json.loads(p.read_text()) for p in (sim / "results.json", real))
     record = agreement(sim_results, real_results)
-    record["ablations"] = ablations(record)
     sim_results = _with_key(sim_results, record, "claims")
     (sim / "results.json").write_text(json.dumps(sim_results, indent=1) + "\n")
-    real.write_text(json.dumps(_with_key(real_results, record, None), indent=2) + "\n")
+    by_factor = real_results.get("sim_agreement") if "grid" in real_results.get("sim_agreement", {}) else {}
+    grid = {**record, "what": GRID_NOTE, "ablations": ablations(record)}
+    real.write_text(json.dumps(_with_key(real_results, {**by_factor, "grid": grid}, None), indent=2) + "\n")
     report = sim / "report.md"
     report.write_text(replace_section(report.read_text(), agreement_section(sim_results)))
     return record

@@ -35,14 +35,21 @@ def summarize(record: dict, protocols: Path) -> dict:
     """The shipped summary of `record` (results.json); `protocols` is the folder its `protocol` path is relative
     to (the repository root), for the runs' schedules."""
     blocks = [record] + [record[k] for k in sorted(record) if _FACTOR_KEY.fullmatch(k)]
-    return {"record": RECORD, "page": PAGE, "blocks": [_block(b, protocols) for b in blocks]}
+    return {"record": RECORD, "page": PAGE, "blocks": [_block(b, protocols) for b in blocks if _measured(b)]}
+
+
+def _measured(block: dict) -> bool:
+    """A block says something once its headline and its best training-free run are named and the headline's
+    perplexity at the target is in (a registered block waiting for its trials does not)."""
+    headline, free = block.get("headline"), block.get("best_training_free")
+    return bool(headline and free) and str(block["target"]) in block["runs"].get(headline, {}).get("ppl", {})
 
 
 def _block(block: dict, root: Path) -> dict:
     import yaml
 
     protocol = yaml.safe_load((root / block["protocol"]).read_text())
-    specs = {**protocol["recipe"]["candidates"], **protocol["runs"]}
+    specs = {**protocol.get("recipe", {}).get("candidates", {}), **protocol["runs"]}
     headline, free, target = block["headline"], block["best_training_free"], block["target"]
     tests = [t for t in block["tests"] if t["pose"] == headline]
     verdicts = {t["verdict"] for t in tests if t["control"] == free}

@@ -147,3 +147,13 @@ def test_pareto_front_ranks_confirmed_runs_only_and_keeps_the_undominated():
     pts = points(runs, 32768)
     assert set(pts) == {"a", "b", "c", "d", "g"} and pts["d"]["stage"] == pts["g"]["stage"] == "exploratory"
     assert sorted(front(pts)) == ["a", "c"]
+
+
+def test_8x_best_training_free_run_waits_for_every_number(protocol8):
+    runs = {"dynamic": {"passkey": {"65536": 0.5}, "ppl": {"65536": 9.0}},
+            "yarn": {"passkey": {"65536": 0.5}, "ppl": {"65536": 8.0}}}
+    assert e8.best_training_free(protocol8, runs) == "yarn"  # tied on passkey: the lower perplexity
+    runs["dynamic"]["passkey"]["65536"] = 0.6
+    assert e8.best_training_free(protocol8, runs) == "dynamic"
+    del runs["yarn"]["ppl"]
+    assert e8.best_training_free(protocol8, runs) is None

@@ -88,3 +88,12 @@ def test_plan_starts_with_the_line(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["evidence"] == "evidence: " + LINE_4X
     assert plan.main(["--model", str(tmp_path), "--max-memory", "8G", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["evidence"] is None
+
+
+def test_a_registered_block_waiting_for_its_trials_says_nothing():
+    """The 8x block is committed before its trials: it names no best training-free run yet, so the summary and
+    the line keep to the measured blocks."""
+    record = _record()
+    waiting = {**record["factor_8x"], "best_training_free": None}
+    assert evidence.summarize({**record, "factor_8x": waiting}, ROOT)["blocks"] == evidence.summarize(
+        {k: v for k, v in record.items() if k != "factor_8x"}, ROOT)["blocks"]
