@@ -79,7 +79,7 @@ def measure(method: str, window: int, gguf: Path, data: Path, work: Path, steps:
     shutil.rmtree(out.with_name(out.name + ".partial"), ignore_errors=True)
     run_logged(["pose_mlx.finetune", *argv, "--output", str(out), "--no-progress", "--save-every", "0"],
                work / "logs" / f"cost.{method}-{window}.log")
-    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines() if line.strip()]
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines() if line.strip()]
     updates = [e for e in log if "seconds" in e and "loss" in e]
     record.update(peak_bytes=max(e["peak_memory_gb"] for e in updates) * 1e9,
                   seconds_per_update=statistics.median(e["seconds"] for e in updates[1:]),

@@ -16,7 +16,6 @@ The report stage writes `factor_8x` into `results/real_model/results.json` (the 
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import sys
@@ -25,10 +24,10 @@ from pathlib import Path
 from benchmarks.bench_evidence import EVAL as EVAL_4X
 from benchmarks.common import (REAL_MODEL, OutOfTime, corpus, model_file, passkey_command, perplexity_command,
                                ruler_command, set_budget, write_results)
-from benchmarks.evidence_runs import (cell, collect, device, ensure_trained, model_args, plot_passkey, plot_tests,
-                                      record_state, records, run_all, run_recorded, shared_arguments, trials,
-                                      unseen_corpus)
-from benchmarks.protocol import PROTOCOLS, difference_tests, discordant, load_protocol
+from benchmarks.evidence_runs import (addendum_arguments, addendum_settings, cell, collect, device, ensure_trained,
+                                      model_args, plot_passkey, plot_tests, record_state, records, run_all,
+                                      run_recorded, trials, unseen_corpus)
+from benchmarks.protocol import PROTOCOLS, difference_tests, discordant
 
 PROTOCOL = PROTOCOLS / "real_model_8x.yaml"
 OUT = REAL_MODEL / "protocol_8x"
@@ -203,26 +202,14 @@ def write_report(protocol: dict, block: dict) -> Path:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    shared_arguments(p)
-    p.set_defaults(protocol=PROTOCOL)
-    p.add_argument("--stage", choices=("train", "eval", "report", "all", "status"), default="all",
-                   help="what to run (status: runs nothing, lists each evaluation as done, partly done or waiting)")
-    p.add_argument("--jobs", type=int, default=1, help="evaluations run at once, each its own process (default 1)")
-    p.add_argument("--only", action="append", default=None, help="only these runs (repeatable)")
-    p.add_argument("--max-length", type=int, default=None, help="evaluate only lengths up to this")
-    p.add_argument("--budget", type=float, default=None,
-                   help="seconds: the running command is stopped (keeping what it finished) when they are spent")
-    args = p.parse_args(argv)
-    protocol = load_protocol(args.protocol)
-    unknown = sorted(set(args.only or ()) - set(protocol["runs"]))
-    if unknown:
-        p.error(f"--only: no run named {', '.join(unknown)} in {args.protocol}")
-    names = [n for n in protocol["runs"] if not args.only or n in args.only]
+    p = addendum_arguments(__doc__, PROTOCOL, ("train", "eval", "report", "all", "status"),
+                           "what to run (status: runs nothing, lists each evaluation as done, partly done or waiting)")
+    args, protocol, names = addendum_settings(p, argv)
     tasks = [t for t in evaluations(protocol, args.max_length) if t[0] in names]
     if args.stage == "status":
         for name, kind, length in tasks:
-            print(f"{name} {kind} {length}: {record_state(EVAL / f'{name}.{kind}.{length}.json', records(name, kind, length, protocol))}")
+            state = record_state(EVAL / f"{name}.{kind}.{length}.json", records(name, kind, length, protocol))
+            print(f"{name} {kind} {length}: {state}")
         return 0
     if args.stage in ("eval", "all") and "prediction" not in protocol:
         p.error(f"{args.protocol} has no `prediction` yet: the simulator's prediction is registered before any "

@@ -17,7 +17,6 @@ running command (a fine-tuning keeps its checkpoint, an evaluation its finished 
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import subprocess
@@ -27,10 +26,10 @@ from pathlib import Path
 
 from benchmarks.common import (REAL_MODEL, OutOfTime, corpus, model_file, passkey_command, perplexity_command,
                                ruler_command, set_budget, write_results)
-from benchmarks.evidence_runs import (collect, device, ensure_trained, model_args, plot_passkey, plot_tests,
-                                      record_state, records, run_all, run_recorded, shared_arguments, trials,
-                                      unseen_corpus)
-from benchmarks.protocol import PROTOCOLS, difference_tests, discordant, load_protocol
+from benchmarks.evidence_runs import (addendum_arguments, addendum_settings, collect, device, ensure_trained,
+                                      model_args, plot_passkey, plot_tests, record_state, records, run_all,
+                                      run_recorded, trials, unseen_corpus)
+from benchmarks.protocol import PROTOCOLS, difference_tests, discordant
 
 PROTOCOL = PROTOCOLS / "real_model_full_length.yaml"
 OUT = REAL_MODEL / "protocol_full"
@@ -168,7 +167,7 @@ def train(name: str, protocol: dict, gguf: Path, work: Path, data: Path) -> Path
     finally:
         watcher.done.set()
         watcher.join()
-    log = work / "trained" / name / "log.jsonl"
+    log = work / "trained" / name / "train_log.jsonl"
     if log.is_file():
         (OUT / "train").mkdir(parents=True, exist_ok=True)
         shutil.copyfile(log, OUT / "train" / f"{name}.log.jsonl")
@@ -394,22 +393,9 @@ def status(protocol: dict, names: list[str], max_length: int | None) -> list[str
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    shared_arguments(p)
-    p.set_defaults(protocol=PROTOCOL)
-    p.add_argument("--stage", choices=("data", "train", "eval", "curve", "report", "all", "status"), default="all",
-                   help="what to run (all: data, train, curve, eval, report; status: runs nothing)")
-    p.add_argument("--jobs", type=int, default=1, help="evaluations run at once, each its own process (default 1)")
-    p.add_argument("--only", action="append", default=None, help="only these runs (repeatable)")
-    p.add_argument("--max-length", type=int, default=None, help="evaluate only lengths up to this")
-    p.add_argument("--budget", type=float, default=None,
-                   help="seconds: the running command is stopped (keeping what it finished) when they are spent")
-    args = p.parse_args(argv)
-    protocol = load_protocol(args.protocol)
-    unknown = sorted(set(args.only or ()) - set(protocol["runs"]))
-    if unknown:
-        p.error(f"--only: no run named {', '.join(unknown)} in {args.protocol}")
-    names = [n for n in protocol["runs"] if not args.only or n in args.only]
+    p = addendum_arguments(__doc__, PROTOCOL, ("data", "train", "eval", "curve", "report", "all", "status"),
+                           "what to run (all: data, train, curve, eval, report; status: runs nothing)")
+    args, protocol, names = addendum_settings(p, argv)
     if args.stage == "status":
         print("\n".join(status(protocol, names, args.max_length)))
         return 0

@@ -162,6 +162,33 @@ def shared_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--docs", type=Path, default=DOCS, help="the reST sources (default %(default)s)")
 
 
+def addendum_arguments(description: str, protocol: Path, stages: tuple[str, ...], stage_help: str) -> tuple:
+    """(args, protocol, names) of an addendum's command line: `shared_arguments`, --stage, --jobs, --only (checked
+    against the protocol's runs: an unknown name is a usage error), --max-length and --budget."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    shared_arguments(p)
+    p.set_defaults(protocol=protocol)
+    p.add_argument("--stage", choices=stages, default="all", help=stage_help)
+    p.add_argument("--jobs", type=int, default=1, help="evaluations run at once, each its own process (default 1)")
+    p.add_argument("--only", action="append", default=None, help="only these runs (repeatable)")
+    p.add_argument("--max-length", type=int, default=None, help="evaluate only lengths up to this")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds: the running command is stopped (keeping what it finished) when they are spent")
+    return p
+
+
+def addendum_settings(p: argparse.ArgumentParser, argv=None) -> tuple:
+    """Parse `p` (`addendum_arguments`): (args, the protocol, the runs named by --only or all of them)."""
+    from benchmarks.protocol import load_protocol
+
+    args = p.parse_args(argv)
+    protocol = load_protocol(args.protocol)
+    unknown = sorted(set(args.only or ()) - set(protocol["runs"]))
+    if unknown:
+        p.error(f"--only: no run named {', '.join(unknown)} in {args.protocol}")
+    return args, protocol, [n for n in protocol["runs"] if not args.only or n in args.only]
+
+
 def run_all(tasks: list[tuple], fn, jobs: int, label: int = 3) -> list[tuple]:
     """`fn(*task)` for every task, `jobs` at a time (each evaluation or fine-tuning is its own process, so several
     share one GPU); prints each result, labelled by the task's first `label` items, in the tasks' order. A failed

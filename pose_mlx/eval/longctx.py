@@ -77,7 +77,7 @@ class EvalModel:
 def load_eval_model(reference: str, schedule: str | None = None, target: str | None = None,
                     original: int | None = None) -> EvalModel:
     """Load `reference` (folder, .gguf file, hub id or alias) with its saved schedule re-applied; optionally
-    extend a raw model here with `schedule` (default "linear" = Position Interpolation) from `original` (default:
+    extend a raw model here with `schedule` (default "yarn", as finetune's) from `original` (default:
     the config's window) to `target` tokens (the length grammar: 32768, 32k, 8x), without training."""
     ref = source.resolve(reference)
     model, tokenizer, config = source.load(ref, return_config=True)
@@ -95,7 +95,7 @@ def load_eval_model(reference: str, schedule: str | None = None, target: str | N
         if not base:
             raise UserError("--original: the model config does not say its window; pass --original")
         length = _target_length(target, base)
-        name = schedule or "linear"
+        name = schedule or "yarn"
         if extension is not None:  # fine-tuned with the original frequencies (--sampler plain): extend it now
             reschedule(model, name, base, length)
         else:
@@ -306,7 +306,7 @@ def eval_parser(prog: str, description: str) -> ArgumentParser:
                                                        "file, Hugging Face hub id, or an alias of pose_mlx.finetune")
     parser.add_argument("--schedule", "--scaling", dest="schedule",
                         help="extend a raw model with this RoPE schedule before evaluating (default with --target: "
-                             "linear = Position Interpolation), no training")
+                             "yarn, as finetune's; linear is Position Interpolation), no training")
     parser.add_argument("--target", help="target window for --schedule: 32768, 32k or 8x")
     parser.add_argument("--original", type=tokens,
                         help="the model's pre-training window (default: from pose_mlx.json or config.json)")
