@@ -41,6 +41,7 @@ from .eval import passkey, perplexity
 from .lengths import parse_length
 from .model import source
 from .places import check_output
+from .rope import SCHEDULE_NAMES
 from .plots import panels, trials_note
 from .settings import RUN_FILE, Invocation, RunSettings, load_run_file, validate
 from .sim import SHIPPED_BASE, finetune_data
@@ -65,10 +66,6 @@ def write_corpus(folder: Path, test_docs: int, train_docs: int | None, min_chars
 
 
 #: How the demo's tables and plots name a RoPE schedule.
-SCHEDULE_NAMES = {"yarn": "YaRN", "linear": "PI", "ntk": "NTK", "dynamic": "dynamic NTK", "abf": "ABF",
-                  "llama3": "Llama 3", "longrope": "LongRoPE", "dprope": "DPRoPE"}
-
-
 def run_labels(schedule: str) -> dict[str, str]:
     """The demo's three runs (keys: the stems of their files) named by what they are."""
     name = SCHEDULE_NAMES.get(schedule, schedule)

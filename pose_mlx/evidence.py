@@ -23,6 +23,8 @@ import math
 import re
 from pathlib import Path
 
+from .rope import SCHEDULE_NAMES
+
 #: The committed record, relative to the repository root, and the page that explains it.
 RECORD = "benchmarks/results/real_model/results.json"
 PAGE = "docs/evidence.md"
@@ -72,8 +74,6 @@ def _model_name(name: str) -> str:
 
 def _label(run: str, specs: dict) -> str:
     """How a protocol run reads: 'PoSE + YaRN', 'training-free dynamic NTK', 'fine-tuning without PoSE + YaRN'."""
-    from .demo import SCHEDULE_NAMES
-
     spec = specs[run]
     role = spec.get("role", "pose")
     if role == "base":

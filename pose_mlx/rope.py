@@ -20,7 +20,7 @@ import numpy as np
 
 from .angles import dprope_factors
 
-__all__ = ["SCHEDULES", "dynamic_ntk_base", "rope_inv_freq", "scaled_inv_freq", "schedule_parameters"]
+__all__ = ["SCHEDULES", "SCHEDULE_NAMES", "dynamic_ntk_base", "rope_inv_freq", "scaled_inv_freq", "schedule_parameters"]
 
 Schedule = Callable[..., "tuple[np.ndarray, float]"]
 
@@ -182,6 +182,10 @@ SCHEDULES: dict[str, Schedule] = {
     "longrope": _longrope,
     "dprope": _dprope,
 }
+
+#: How the docs and messages name each schedule ("PoSE + YaRN", "training-free dynamic NTK").
+SCHEDULE_NAMES = {"yarn": "YaRN", "linear": "PI", "ntk": "NTK", "dynamic": "dynamic NTK", "abf": "ABF",
+                  "llama3": "Llama 3", "longrope": "LongRoPE", "dprope": "DPRoPE"}
 
 
 def schedule_parameters(schedule: str) -> dict:

@@ -38,7 +38,6 @@ import mlx.nn as nn
 from mlx_lm.utils import save_config, save_model
 
 from ..files import replace_dir, sibling
-from ..training.checkpoint import last_files
 from .gguf import write_tokenizer
 from .patch import Extension, find_rope_modules, save_extension
 from .source import build_model
@@ -216,8 +215,8 @@ def export_run(model: nn.Module, extension: Extension, plan, summary: dict,
                save_weights: Callable[[nn.Module, Path], object] | None = None) -> Path:
     """The export stage of a run (`plan` a `pose_mlx.plan.RunPlan`, `summary` the training stage's,
     `save_weights` as in `export_model`): rank 0 writes the output folder (config from `extension`, pose_mlx.json
-    with the run's record, the training log), removes the run folder, and prints one summary line. Returns the
-    output folder."""
+    with the run's record, the training log and the checkpoint files `summary["checkpoint_files"]` names), removes
+    the run folder, and prints one summary line. Returns the output folder."""
     settings = plan.settings
     if not plan.world.is_main:
         return plan.output
@@ -228,8 +227,9 @@ def export_run(model: nn.Module, extension: Extension, plan, summary: dict,
                                              "tokens_per_step", "training", "lr", "seed")}}
     record["steps"] = record["steps"] or 0
     logs = {"train_log.jsonl": plan.partial / "log.jsonl", "run.json": plan.partial / "run.json"}
-    if plan.lora is not None:  # its last checkpoint is small: kept, --resume --steps trains the output longer
-        logs.update((f"checkpoint/{p.name}", p) for p in last_files(plan.partial / "checkpoint"))
+    # a LoRA run's last checkpoint is small: kept (the training stage names its files), so that --resume --steps
+    # trains the output longer
+    logs.update((f"checkpoint/{Path(p).name}", Path(p)) for p in summary.get("checkpoint_files", ()))
     tokenizer_source, config = plan.model.path, plan.config
     if plan.model.is_gguf:
         tokenizer_source = plan.partial / "tokenizer"

@@ -14,6 +14,7 @@ import time
 
 import mlx.nn as nn
 
+from .checkpoint import last_files
 from .data import training_data
 from .lora import add_lora
 from .loop import TrainConfig, check_not_collapsed, loss_scale_for, probe_loss, read_log, train
@@ -50,7 +51,9 @@ def fine_tune(model: nn.Module, tokenizer, plan, at_positions) -> dict:
             "tokens_per_step": last["tokens"], "seconds": time.perf_counter() - t0,
             "peak_memory_gb": max(r["peak_memory_gb"] or 0.0 for r in log), "eval_loss": evals[-1] if evals else None,
             "data_fingerprint": data.fingerprint, "training": "full" if plan.lora is None else "lora",
-            "lr": s.lr, "seed": s.seed, "loss_scale": loss_scale}
+            "lr": s.lr, "seed": s.seed, "loss_scale": loss_scale,
+            # LoRA: the last checkpoint goes with the output (small), so --resume --steps can train it longer
+            "checkpoint_files": [] if plan.lora is None else [str(p) for p in last_files(plan.partial / "checkpoint")]}
 
 
 __all__ = ["fine_tune"]
