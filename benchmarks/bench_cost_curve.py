@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import statistics
 import subprocess
@@ -89,43 +90,50 @@ def measure(method: str, window: int, gguf: Path, data: Path, work: Path, steps:
 
 
 def device_file() -> Path:
-    name = "".join(c if c.isalnum() else "-" for c in device().split(" on ")[0]).strip("-").lower()
-    return COST / f"{name}.json"
+    """results/real_model/cost/<kind>-<model>.json, e.g. cpu-amd-epyc.json, from `device()`."""
+    found = re.match(r"Device\((\w+), \d+\)\s*(.*)", device().split(" on ")[0])
+    name = f"{found.group(1)}-{found.group(2)}" if found else device()
+    return COST / (re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") + ".json")
 
 
 def plot(path: Path) -> Path | None:
-    """Memory and seconds per update by target, full-length against PoSE, one marker style per device."""
-    records = [r for f in sorted(COST.glob("*.json")) for r in json.loads(f.read_text())["records"] if "peak_bytes" in r]
-    if not records:
+    """Memory (measured, filled; the planner's prediction, hollow) and seconds per update by target: full-length
+    trains on the target, PoSE's cost does not depend on it (a horizontal line per window); one marker per device."""
+    records = [r for f in sorted(COST.glob("*.json")) for r in json.loads(f.read_text())["records"]]
+    if not any("peak_bytes" in r for r in records):
         return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    devices = sorted({r["device"] for r in records})
-    for d, marker in zip(devices, "os^D"):
-        for method, colour in (("full", "tab:red"), ("pose", "tab:blue")):
-            rs = sorted((r for r in records if r["device"] == d and r["method"] == method), key=lambda r: r["window"])
-            for r in rs:
-                x = r["window"] if method == "full" else POSE_TARGET
-                label = f"{method} {r['window'] // 1024}k window" if method == "pose" else "full-length"
-                for ax, key, scale in ((axes[0], "peak_bytes", 1e9), (axes[1], "seconds_per_update", 1)):
-                    ax.scatter([x], [r[key] / scale], color=colour, marker=marker)
-                    if method == "pose":
-                        ax.annotate(label, (x, r[key] / scale), fontsize=7, xytext=(4, 0), textcoords="offset points")
-            xs = [r["window"] for r in rs] if method == "full" else []
-            for ax, key, scale in ((axes[0], "peak_bytes", 1e9), (axes[1], "seconds_per_update", 1)):
-                if len(xs) > 1:
-                    ax.plot(xs, [r[key] / scale for r in rs], color=colour, label=f"full-length ({d.split(' on ')[0]})")
+    from pose_mlx.plots import plain_log_axis
+
+    fig, axes = plt.subplots(1, 2, figsize=(10.5, 4))
+    windows = sorted({r["window"] for r in records if r["method"] == "full"} | {8192, 16384, 32768})
+    for d, marker in zip(sorted({r["device"] for r in records}), "os^D"):
+        short = d.split(" on ")[0]
+        full = sorted((r for r in records if r["device"] == d and r["method"] == "full"), key=lambda r: r["window"])
+        axes[0].plot([r["window"] for r in full], [r["predicted_bytes"] / 1e9 for r in full], color="tab:red",
+                     marker=marker, fillstyle="none", linestyle=":", label=f"full-length, planner ({short})")
+        done = [r for r in full if "peak_bytes" in r]
+        for ax, key, scale in ((axes[0], "peak_bytes", 1e9), (axes[1], "seconds_per_update", 1)):
+            ax.plot([r["window"] for r in done], [r[key] / scale for r in done], color="tab:red", marker=marker,
+                    label=f"full-length, measured ({short})")
+            for r in (r for r in records if r["device"] == d and r["method"] == "pose" and "peak_bytes" in r):
+                ax.plot([windows[0], windows[-1]], [r[key] / scale] * 2, color="tab:blue", linestyle="--",
+                        linewidth=1, marker=marker, markevery=[1])
+                ax.annotate(f"PoSE, {r['window'] // 1024}k window", (windows[0], r[key] / scale), fontsize=7,
+                            xytext=(2, 3), textcoords="offset points", color="tab:blue")
     for ax, label in ((axes[0], "peak memory per update (GB)"), (axes[1], "seconds per update")):
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("target context (full-length trains on it; PoSE reaches it from its window)")
-        ax.set_ylabel(label)
         ax.set_yscale("log")
-    axes[0].legend(fontsize=7)
-    fig.suptitle("Fine-tuning SmolLM2-135M: full-length vs PoSE (LoRA r16, 1 row per update)")
+        plain_log_axis(ax.yaxis)
+        ax.set_xticks(windows, [f"{w // 1024}k" for w in windows])
+        ax.set_xlabel("target context (full-length trains on it)")
+        ax.set_ylabel(label)
+    axes[0].legend(fontsize=7, loc="upper left")
+    fig.suptitle("Fine-tuning SmolLM2-135M: full-length against PoSE (LoRA rank 16, 1 row per update)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -28,7 +28,7 @@ def ppl(run: str, length: int) -> str:
 
 
 def tau(key: str, ablation: str | None = None) -> str:
-    record = _real()["sim_agreement"]
+    record = _real()["sim_agreement"]["grid"]
     return f"{(record['ablations'][ablation] if ablation else record)[key]:.2f}"
 
 
@@ -50,7 +50,21 @@ CLAIMS = [
      lambda: [ppl("adapt-yarn", 32768)]),
     ("docs/evidence.md", "(Kendall's tau {} on perplexity, {} on passkey; goal 0.7)",
      lambda: [tau("ppl_tau"), tau("passkey_tau")]),
+    ("README.md", "the fine-tuning costs {:.0f} CPU-seconds, the 16k passkey trial {:.0f} and the question about a "
+     "licence text {:.0f} (wall times {:.0f} s, {:.0f} s and {:.0f} s",
+     lambda: [*(_quickstart()[k]["cpu_s"] for k in ("finetune", "passkey", "generate")),
+              *(_quickstart()[k]["wall_s"] for k in ("finetune", "passkey", "generate"))]),
+    ("docs/evidence.md", "(`evidence_full_length.joined_corpus`: {} pieces, {:.2f}M tokens)",
+     lambda: [_joined()["pieces"], _joined()["tokens"] / 1e6]),
 ]
+
+
+def _quickstart() -> dict:
+    return json.loads((ROOT / "benchmarks" / "results" / "quickstart.json").read_text())["steps"]
+
+
+def _joined() -> dict:
+    return json.loads((ROOT / "benchmarks" / "results" / "real_model" / "protocol_full" / "data.json").read_text())
 
 
 def _flat(text: str) -> str:
@@ -68,3 +82,40 @@ def test_a_stale_number_is_caught():
     results = _real()
     results["runs"]["adapt-dynamic"]["passkey"]["16384"] = 0.5
     assert count("adapt-dynamic", 16384, results) == "15/30" != count("adapt-dynamic", 16384)
+
+
+def test_the_readme_results_table_is_generated_from_the_record():
+    from benchmarks.evidence_summary import BEGIN, END, readme_block
+
+    text = (ROOT / "README.md").read_text()
+    start, end = text.index(BEGIN.split(" (")[0]), text.index(END) + len(END)
+    assert text[start:end] == readme_block(_real()), "run python -m benchmarks.evidence_summary"
+
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)#\s]+)(#[^)\s]*)?\)")
+
+
+def _anchors(path: Path) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings: lower case, punctuation dropped, spaces to hyphens."""
+    out = set()
+    for line in path.read_text().splitlines():
+        if line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            out.add(re.sub(r"\s", "-", re.sub(r"[^\w\s-]", "", title)))
+    return out
+
+
+@pytest.mark.parametrize("doc", ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))])
+def test_relative_links_resolve(doc):
+    """Every relative link of the README and docs/ names a file that exists, and a heading that exists in it."""
+    path = ROOT / doc
+    broken = []
+    for target, anchor in LINK.findall(path.read_text()):
+        if "://" in target or target.startswith("mailto:"):
+            continue
+        linked = (path.parent / target).resolve()
+        if not linked.exists():
+            broken.append(target)
+        elif anchor and linked.suffix == ".md" and anchor[1:] not in _anchors(linked):
+            broken.append(target + anchor)
+    assert not broken, f"{doc}: {broken}"
