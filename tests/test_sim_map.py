@@ -121,7 +121,10 @@ def test_quick_map_recipe_from_the_runs_own_records(quick):
     for f, column in results["map"].items():  # the ranking of each column: by the means, best first
         by_ppl = sorted(column, key=lambda m: column[m]["ppl"])
         assert [m for tied in results["ranking"][f]["ppl"] for m in tied] == by_ppl
-    assert results["agreement"] == {}  # the real model has a 4x block only
+    # the quick map's factors are 2 and 8: the real model has no 2x block, and its 8x block (registered, waiting
+    # for its trials) has no measured run yet, so there is nothing to rank against
+    assert set(results["agreement"]) <= {"8"}
+    assert all(a["methods"] == [] and a["ppl_tau"] is None for a in results["agreement"].values())
     assert set(results["stage_seconds"]) >= {"finetune adapt", "evaluate pose-yarn-8x.s1"}
     for png in ("passkey.png", "ppl.png"):
         assert (out / png).stat().st_size > 5000
