@@ -157,3 +157,20 @@ def test_8x_best_training_free_run_waits_for_every_number(protocol8):
     assert e8.best_training_free(protocol8, runs) == "dynamic"
     del runs["yarn"]["ppl"]
     assert e8.best_training_free(protocol8, runs) is None
+
+
+def test_the_registered_prediction_is_the_maps_8x_column(protocol8):
+    """The prediction's numbers are the committed factor map's at 8x (means over its two seeds), and its winners
+    are the best of this addendum's runs there."""
+    import json
+
+    from benchmarks.common import RESULTS_DIR
+
+    prediction = protocol8["prediction"]
+    column = json.loads((RESULTS_DIR / "sim_map" / "results.json").read_text())["map"]["8"]
+    assert {m: round(c["passkey"], 3) for m, c in column.items()} == {
+        m: round(v, 3) for m, v in prediction["passkey_at_target"].items()}
+    assert {m: round(c["ppl"], 2) for m, c in column.items()} == prediction["ppl_at_target"]
+    runs = [m for m in column if m in {"pose-yarn" if n == "pose-yarn-64k" else n for n in protocol8["runs"]}]
+    assert prediction["passkey_winner"] == max(runs, key=lambda m: column[m]["passkey"])
+    assert prediction["perplexity_winner"] == min(runs, key=lambda m: column[m]["ppl"])
