@@ -32,6 +32,12 @@ def tau(key: str, ablation: str | None = None) -> str:
     return f"{(record['ablations'][ablation] if ablation else record)[key]:.2f}"
 
 
+#: The rows of docs/simulator.md's 8x table: its label, the map's method.
+MAP_ROWS = (("PoSE + YaRN (`pose-yarn`)", "pose-yarn"), ("YaRN, no training", "yarn"),
+            ("full-length + YaRN", "full-yarn"), ("ordinary fine-tune, YaRN at load", "adapt-yarn"),
+            ("dynamic NTK, no training", "dynamic"), ("ordinary fine-tune, dynamic NTK at load", "adapt-dynamic"))
+
+
 #: (file, sentence with {} fields, the fields' values from the record)
 CLAIMS = [
     ("docs/simulator.md",
@@ -54,9 +60,19 @@ CLAIMS = [
      "licence text {:.0f} (wall times {:.0f} s, {:.0f} s and {:.0f} s",
      lambda: [*(_quickstart()[k]["cpu_s"] for k in ("finetune", "passkey", "generate")),
               *(_quickstart()[k]["wall_s"] for k in ("finetune", "passkey", "generate"))]),
+    ("docs/evidence.md", "first of the addendum's runs on both passkey ({:.2f}, against YaRN's {:.2f}) and perplexity "
+     "({:.2f}, against {:.2f})",
+     lambda: [_map8("pose-yarn", "passkey"), _map8("yarn", "passkey"), _map8("pose-yarn", "ppl"), _map8("yarn", "ppl")]),
+    *[("docs/simulator.md", f"| {label} | {{:.2f}} | {{:.2f}} |",
+       lambda m=m: [_map8(m, "passkey"), _map8(m, "ppl")]) for label, m in MAP_ROWS],
     ("docs/evidence.md", "(`evidence_full_length.joined_corpus`: {} pieces, {:.2f}M tokens)",
      lambda: [_joined()["pieces"], _joined()["tokens"] / 1e6]),
 ]
+
+
+def _map8(method: str, measure: str) -> float:
+    path = ROOT / "benchmarks" / "results" / "sim_map" / "results.json"
+    return json.loads(path.read_text())["map"]["8"][method][measure]
 
 
 def _quickstart() -> dict:
