@@ -27,7 +27,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.common import DOCS, REAL_MODEL, OutOfTime, child_env, model_file, run_logged, set_budget, write_results
+from benchmarks.common import (DOCS, REAL_MODEL, OutOfTime, child_env, log_peak_bytes, model_file, run_logged,
+                               set_budget, write_results)
 from benchmarks.evidence_full_length import joined_corpus
 from benchmarks.evidence_runs import device
 
@@ -82,7 +83,7 @@ def measure(method: str, window: int, gguf: Path, data: Path, work: Path, steps:
                work / "logs" / f"cost.{method}-{window}.log")
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines() if line.strip()]
     updates = [e for e in log if "seconds" in e and "loss" in e]
-    record.update(peak_bytes=max(e["peak_memory_gb"] for e in updates) * 1e9,
+    record.update(peak_bytes=log_peak_bytes(updates),
                   seconds_per_update=statistics.median(e["seconds"] for e in updates[1:]),
                   updates_timed=len(updates) - 1, tokens_per_update=updates[-1]["tokens"])
     shutil.rmtree(out, ignore_errors=True)  # only the record is kept: a fused 135M model is 0.5 GB

@@ -178,6 +178,11 @@ class OutOfTime(SystemExit):
 _deadline: list[float] = []  # time.monotonic() at which run_logged stops its commands; empty: no budget
 
 
+def log_peak_bytes(steps: list[dict]) -> float:
+    """The largest MLX peak in a training log's updates, in bytes (the loop logs it in GiB as `peak_memory_gb`)."""
+    return max(s["peak_memory_gb"] for s in steps) * 2**30
+
+
 def set_budget(seconds: float | None) -> None:
     """Stop every later `run_logged` command `seconds` from now (None: no limit)."""
     _deadline[:] = [] if seconds is None else [time.monotonic() + seconds]

@@ -24,8 +24,8 @@ import sys
 import threading
 from pathlib import Path
 
-from benchmarks.common import (REAL_MODEL, OutOfTime, corpus, model_file, passkey_command, perplexity_command,
-                               ruler_command, set_budget, write_results)
+from benchmarks.common import (REAL_MODEL, OutOfTime, corpus, log_peak_bytes, model_file, passkey_command,
+                               perplexity_command, ruler_command, set_budget, write_results)
 from benchmarks.evidence_runs import (addendum_arguments, addendum_settings, collect, device, ensure_trained,
                                       model_args, plot_passkey, plot_tests, record_state, records, run_all,
                                       run_recorded, trials, unseen_corpus)
@@ -263,7 +263,7 @@ def training_record(name: str) -> dict | None:
     seconds = sorted(s["seconds"] for s in steps[1:]) or [steps[0]["seconds"]]
     return {"updates": len(steps), "tokens": sum(s["tokens"] for s in steps),
             "seconds_per_update": seconds[len(seconds) // 2],
-            "peak_bytes": max(s["peak_memory_gb"] for s in steps) * 1e9}
+            "peak_bytes": log_peak_bytes(steps)}
 
 
 def curve(protocol: dict, runs: dict) -> dict:

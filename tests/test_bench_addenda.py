@@ -174,3 +174,19 @@ def test_the_registered_prediction_is_the_maps_8x_column(protocol8):
     runs = [m for m in column if m in {"pose-yarn" if n == "pose-yarn-64k" else n for n in protocol8["runs"]}]
     assert prediction["passkey_winner"] == max(runs, key=lambda m: column[m]["passkey"])
     assert prediction["perplexity_winner"] == min(runs, key=lambda m: column[m]["ppl"])
+
+
+def test_training_logs_peak_read_in_bytes(tmp_path, monkeypatch):
+    """The loop logs MLX's peak in GiB (bytes / 2**30) under `peak_memory_gb`; the cost records compare it with the
+    planner's bytes, so 1 GiB is 1,073,741,824 bytes, not 1e9."""
+    import json
+
+    from benchmarks.common import log_peak_bytes
+
+    assert log_peak_bytes([{"peak_memory_gb": 0.5}, {"peak_memory_gb": 2.0}, {"peak_memory_gb": 1.0}]) == 2 * 2**30
+    train = tmp_path / "train"
+    train.mkdir()
+    lines = [{"step": i, "loss": 2.0, "seconds": s, "tokens": 100, "peak_memory_gb": 3.0} for i, s in ((1, 9), (2, 4))]
+    (train / "run.log.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    monkeypatch.setattr(efl, "OUT", tmp_path)
+    assert efl.training_record("run") == {"updates": 2, "tokens": 200, "seconds_per_update": 4, "peak_bytes": 3 * 2**30}
