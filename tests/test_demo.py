@@ -69,6 +69,12 @@ def test_demo_extends_and_evaluates(tmp_path, capsys, monkeypatch):
     assert all(key.get_window_extent().y1 <= ax.get_tightbbox().y0 for ax in comparison.axes)  # below the panels
     ppl_lines = {line.get_label(): list(line.get_ydata()) for line in ppl_ax.get_lines()}
     assert ppl_lines["original"] == ppl["original"] and ppl_lines["PoSE + YaRN"] == ppl["pose"]
+    # run again (fewer passkey trials, the same training settings): the model is reused, the results replaced
+    assert demo.main(["--out", str(tmp_path), "--steps", "4", "--batch-size", "4", "--train-docs", "40",
+                      "--test-docs", "2", "--passkey-trials", "1"]) == 0
+    assert f"[2/4] reusing the fine-tuned model {tmp_path / 'pose'}" in capsys.readouterr().out
+    again = json.loads((tmp_path / "passkey-original.json").read_text())
+    assert {a["trials"] for a in again["accuracy"]} == {1} and not list(tmp_path.glob("*-2.json"))
 
 
 def test_a_second_run_reuses_the_trained_model_unless_a_setting_changed(tmp_path, capsys, monkeypatch):
