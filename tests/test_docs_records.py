@@ -65,18 +65,121 @@ CLAIMS = [
      lambda: [_map8("pose-yarn", "passkey"), _map8("yarn", "passkey"), _map8("pose-yarn", "ppl"), _map8("yarn", "ppl")]),
     *[("docs/simulator.md", f"| {label} | {{:.2f}} | {{:.2f}} |",
        lambda m=m: [_map8(m, "passkey"), _map8(m, "ppl")]) for label, m in MAP_ROWS],
+    ("docs/benchmarks.md", "full fine-tuning **{:.2f}x** (rounds {:.3f}-{:.3f}; CPU time {:.3f}x), LoRA **{:.2f}x** "
+     "(rounds {:.3f}-{:.3f}; CPU time {:.3f}x)", lambda: [*_vs("full"), *_vs("lora")]),
+    ("docs/benchmarks.md", "at a load average of {:.1f}",
+     lambda: [json.loads((ROOT / "benchmarks" / "results" / "vs_mlx_lm.json").read_text())["load_average_1min"]]),
+    ("docs/simulator.md", "retrieves as well at 2x ({:.2f} against PoSE + YaRN's {:.2f}) and ties at 4x ({:.2f} each)",
+     lambda: [_map(2, "yarn", "passkey"), _map(2, "pose-yarn", "passkey"), _tie(4, "yarn", "pose-yarn")]),
+    ("docs/simulator.md", "PoSE + YaRN leads at 8x ({:.2f} against {:.2f}) and at 16x ({:.2f} against {:.2f})",
+     lambda: [_map(f, m, "passkey") for f in (8, 16) for m in ("pose-yarn", "yarn")]),
+    ("docs/simulator.md", "perplexity rises from {:.2f} to {:.2f}, PoSE + YaRN's from {:.2f} to {:.2f}",
+     lambda: [_map(f, m, "ppl") for m in ("yarn", "pose-yarn") for f in (2, 16)]),
+    ("docs/simulator.md", "retrieves less than PoSE + YaRN ({:.2f} at 8x, {:.2f} at 16x)",
+     lambda: [_map(f, "full-yarn", "passkey") for f in (8, 16)]),
+    ("docs/simulator.md", "retrieve in at most {:.2f} of their trials at any factor",
+     lambda: [max(_map(f, m, "passkey") for f in (2, 4, 8, 16) for m in ("dynamic", "adapt-dynamic"))]),
+    ("docs/simulator.md", "Kendall's tau is {:.2f} on perplexity and {:.2f} on passkey, against a goal of 0.7: at 4x",
+     lambda: [_agree4("ppl_tau"), _agree4("passkey_tau")]),
+    ("docs/simulator.md", "dynamic NTK finds the passkey in {:.2f} of its trials at 4x, the real model's in {:.2f}",
+     lambda: [_agree4("sim", "passkey", "dynamic"), _agree4("real", "passkey", "dynamic")]),
+    ("docs/simulator.md", "the ordinary fine-tune with YaRN at load first ({:.2f}), the map {}",
+     lambda: [_agree4("real", "ppl", "adapt-yarn"), _rank4("adapt-yarn")]),
+    ("docs/evaluation.md", "A SmolLM2-135M-shaped prefill is {:.1f}x and {:.1f}x faster at 2k and 8k tokens",
+     lambda: [r["speedup_fast"] for r in _record("cpu_attention")["results"]]),
+    ("docs/evaluation.md", "loaded the machine to a load average of {:.0f})",
+     lambda: [_record("cpu_attention")["load_average_1min"]]),
+    ("docs/evaluation.md", "Alone on the machine, 8k tokens take {:.1f} s against {:.1f} s ({:.1f}x)",
+     lambda: [_record("cpu_attention_8k_idle")["results"][0][k]["seconds"] for k in ("fast", "mlx")]
+     + [_record("cpu_attention_8k_idle")["results"][0]["speedup_fast"]]),
+    ("docs/usage.md", "{:.1f}x-{:.1f}x faster at 2k-8k tokens on a busy machine; alone on it, 8k tokens take {:.0f} s "
+     "instead of {:.0f} s", lambda: [r["speedup_fast"] for r in _record("cpu_attention")["results"]]
+     + [_record("cpu_attention_8k_idle")["results"][0][k]["seconds"] for k in ("fast", "mlx")]),
+    ("docs/demo.md", "The whole demo costs {:.0f} CPU-seconds on two cores ({:.0f} s of wall time beside other work, "
+     "load average {:.1f} before it;",
+     lambda: [_quickstart()["demo_fresh"][k] for k in ("cpu_s", "wall_s", "load_before")]),
+    ("docs/demo.md", "it reuses its corpus and model and costs {:.0f} ({:.0f} s)",
+     lambda: [_quickstart()["demo_reuse"][k] for k in ("cpu_s", "wall_s")]),
+    ("README.md", "prints perplexity and passkey tables in {:.0f} CPU-seconds",
+     lambda: [_quickstart()["demo_fresh"]["cpu_s"]]),
+    ("docs/evidence.md", "PoSE at a 1k and a 2k window peaked at {:.2f} and {:.2f} GB and took {:.0f} and {:.0f} s per "
+     "update", lambda: [_cost("pose", w, "peak_bytes") / 1e9 for w in (1024, 2048)]
+     + [_cost("pose", w, "seconds_per_update") for w in (1024, 2048)]),
+    ("docs/evidence.md", "full-length fine-tuning at 8k peaked at {:.2f} GB and took {:.0f} s per update ({:.0f}x PoSE's "
+     "2k update, {:.1f}x its memory), and at 16k and 32k the planner predicts {:.0f} and {:.0f} GB",
+     lambda: [_cost("full", 8192, "peak_bytes") / 1e9, _cost("full", 8192, "seconds_per_update"),
+              _cost("full", 8192, "seconds_per_update") / _cost("pose", 2048, "seconds_per_update"),
+              _cost("full", 8192, "peak_bytes") / _cost("pose", 2048, "peak_bytes"),
+              _cost("full", 16384, "predicted_bytes") / 1e9, _cost("full", 32768, "predicted_bytes") / 1e9]),
+    ("docs/evidence.md", "were {:.0f}% and {:.0f}% high for PoSE but {:.0f}% low for full-length at 8k",
+     lambda: [_err("pose", 1024), _err("pose", 2048), -_err("full", 8192)]),
+    ("docs/memory.md", "predicted {:+.1f}% and {:+.1f}%, and full-length at 8k, {:+.1f}%.",
+     lambda: [_err("pose", 1024), _err("pose", 2048), _err("full", 8192)]),
+    ("docs/evidence.md", "real model's at a Kendall's tau of {:.2f} on perplexity and {:.2f} on passkey (goal 0.7)",
+     lambda: [_agree4("ppl_tau"), _agree4("passkey_tau")]),
     ("docs/evidence.md", "(`evidence_full_length.joined_corpus`: {} pieces, {:.2f}M tokens)",
      lambda: [_joined()["pieces"], _joined()["tokens"] / 1e6]),
 ]
 
 
+def _sim_map() -> dict:
+    return json.loads((ROOT / "benchmarks" / "results" / "sim_map" / "results.json").read_text())
+
+
+def _map(factor: int, method: str, measure: str) -> float:
+    return _sim_map()["map"][str(factor)][method][measure]
+
+
 def _map8(method: str, measure: str) -> float:
-    path = ROOT / "benchmarks" / "results" / "sim_map" / "results.json"
-    return json.loads(path.read_text())["map"]["8"][method][measure]
+    return _map(8, method, measure)
+
+
+def _tie(factor: int, a: str, b: str) -> float:
+    """The two methods' common passkey at a factor (NaN, which no sentence prints, where they differ)."""
+    x, y = (round(_map(factor, m, "passkey"), 2) for m in (a, b))
+    return x if x == y else float("nan")
+
+
+def _agree4(*path: str):
+    record = _sim_map()["agreement"]["4"]
+    for key in path:
+        record = record[key]
+    return record
+
+
+def _rank4(method: str) -> str:
+    """The method's place in the map's 4x perplexity order among the methods the agreement compares."""
+    scores = _agree4("sim", "ppl")
+    return ("first", "second", "third", "fourth", "fifth")[sorted(scores, key=scores.get).index(method)]
+
+
+def _cost(method: str, window: int, key: str) -> float:
+    """A cost-curve record's field (the CPU's: benchmarks/results/real_model/cost/cpu-*.json)."""
+    for path in sorted((ROOT / "benchmarks" / "results" / "real_model" / "cost").glob("cpu-*.json")):
+        for r in json.loads(path.read_text())["records"]:
+            if (r["method"], r["window"]) == (method, window):
+                return r[key]
+    raise KeyError((method, window))
+
+
+def _err(method: str, window: int) -> float:
+    """The planner's error on a measured peak, in percent (negative: it predicted less than was used)."""
+    return 100 * (_cost(method, window, "predicted_bytes") / _cost(method, window, "peak_bytes") - 1)
 
 
 def _quickstart() -> dict:
     return json.loads((ROOT / "benchmarks" / "results" / "quickstart.json").read_text())["steps"]
+
+
+def _record(name: str) -> dict:
+    return json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
+
+
+def _vs(variant: str) -> list:
+    """bench_vs_mlx_lm's ratio (tokens/s), its rounds' extremes and its CPU-time ratio for a variant."""
+    record = json.loads((ROOT / "benchmarks" / "results" / "vs_mlx_lm.json").read_text())["variants"][variant]
+    rounds = [r["mlx_lm"]["s_per_update"] / r["pose_mlx"]["s_per_update"] for r in record["rounds"]]
+    return [record["ratio"], min(rounds), max(rounds), record["ratio_cpu"]]
 
 
 def _joined() -> dict:
@@ -91,6 +194,14 @@ def _flat(text: str) -> str:
 def test_quoted_numbers_equal_their_record(path, template, values):
     expected = template.format(*values())
     assert expected in _flat((ROOT / path).read_text()), f"{path} should say: {expected}"
+
+
+def test_no_placeholder_is_left_in_the_docs():
+    """Upper-case words joined by hyphens (a draft's placeholder, such as COST-SENTENCE for a sentence to be
+    written once its record exists) never ship."""
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        left = re.findall(r"\b[A-Z]{4,}(?:-[A-Z]{4,})+\b", path.read_text())
+        assert not left, f"{path.name}: {left}"
 
 
 def test_a_stale_number_is_caught():
