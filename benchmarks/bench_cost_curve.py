@@ -11,7 +11,8 @@ original window is set to W / 2 for W <= 8k, since the cost of an update does no
 learns), PoSE at a window of W (target 32k). Its log gives the peak memory (MLX's peak, the maximum over the
 updates) and the seconds of each update after the first (median); `python -m pose_mlx.plan --json` with the same
 flags gives the prediction. A configuration the planner says does not fit in this machine's memory is recorded as
-such, not run. Records go to `results/real_model/cost/<device>.json` (one file per device, records of earlier runs
+such, not run. When `--budget` runs out during a configuration that has logged two or more updates, those are its
+record (marked `stopped_early`) and the later configurations wait for the next run. Records go to `results/real_model/cost/<device>.json` (one file per device, records of earlier runs
 on that device kept unless re-measured), and `--plot-only` draws `results/real_model/cost.png` from every device's
 file: memory and seconds per update by target, full-length against PoSE.
 """
@@ -69,24 +70,42 @@ def predicted(argv: list[str]) -> dict:
     return {"predicted_bytes": plan["peak_bytes"], "fits": plan["fits"]}
 
 
+def log_record(log: Path) -> dict | None:
+    """What a training log measured: the largest peak (bytes), the median seconds of the updates after the first,
+    how many were timed, the tokens of an update; None before two updates were logged."""
+    lines = log.read_text().splitlines() if log.is_file() else []
+    updates = [e for e in map(json.loads, filter(str.strip, lines)) if "seconds" in e and "loss" in e]
+    if len(updates) < 2:
+        return None
+    return {"peak_bytes": log_peak_bytes(updates),
+            "seconds_per_update": statistics.median(e["seconds"] for e in updates[1:]),
+            "updates_timed": len(updates) - 1, "tokens_per_update": updates[-1]["tokens"]}
+
+
 def measure(method: str, window: int, gguf: Path, data: Path, work: Path, steps: int, checkpoint: bool) -> dict:
-    """One configuration's record: measured (peak bytes, median seconds per update after the first) or why not."""
+    """One configuration's record: measured (peak bytes, median seconds per update after the first) or why not.
+    When the budget stops the run after two or more updates, what they measured is the record, marked
+    `stopped_early`; before that, `OutOfTime` goes on up."""
     argv = finetune_args(method, window, gguf, data, work, steps, checkpoint)
     record = {"method": method, "window": window, "grad_checkpoint": checkpoint, "device": device(), **predicted(argv)}
     if not record["fits"]:
         record["not_measured"] = "the planner predicts it does not fit in this machine's memory"
         return record
     out = work / "cost" / f"{method}-{window}"
+    partial = out.with_name(out.name + ".partial")
     shutil.rmtree(out, ignore_errors=True)
-    shutil.rmtree(out.with_name(out.name + ".partial"), ignore_errors=True)
-    run_logged(["pose_mlx.finetune", *argv, "--output", str(out), "--no-progress", "--save-every", "0"],
-               work / "logs" / f"cost.{method}-{window}.log")
-    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines() if line.strip()]
-    updates = [e for e in log if "seconds" in e and "loss" in e]
-    record.update(peak_bytes=log_peak_bytes(updates),
-                  seconds_per_update=statistics.median(e["seconds"] for e in updates[1:]),
-                  updates_timed=len(updates) - 1, tokens_per_update=updates[-1]["tokens"])
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        run_logged(["pose_mlx.finetune", *argv, "--output", str(out), "--no-progress", "--save-every", "0"],
+                   work / "logs" / f"cost.{method}-{window}.log")
+        record.update(log_record(out / "train_log.jsonl"))
+    except OutOfTime:
+        measured = log_record(partial / "log.jsonl")
+        if measured is None:
+            raise
+        record.update(measured, stopped_early=f"the budget ran out after {measured['updates_timed'] + 1} updates")
     shutil.rmtree(out, ignore_errors=True)  # only the record is kept: a fused 135M model is 0.5 GB
+    shutil.rmtree(partial, ignore_errors=True)
     return record
 
 
@@ -148,9 +167,12 @@ def main(argv=None) -> int:
     p.add_argument("--grad-checkpoint", action="store_true", help="recompute activations (both methods alike)")
     p.add_argument("--work", type=Path, default=Path("out/real_model"), help="corpus, token cache and logs")
     p.add_argument("--docs", type=Path, default=DOCS, help="the reST sources (default %(default)s)")
-    p.add_argument("--budget", type=float, default=None, help="seconds: stop the running configuration when spent")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds: stop the running configuration when spent (recorded from its updates, two or more)")
     p.add_argument("--plot-only", action="store_true", help="only draw cost.png from the committed records")
     args = p.parse_args(argv)
+    if args.steps < 2:
+        p.error("--steps must be at least 2: the first update is not timed")
     if not args.plot_only:
         set_budget(args.budget)
         gguf = model_file()
@@ -167,6 +189,8 @@ def main(argv=None) -> int:
                     (method, window, args.grad_checkpoint)] + [record]
             write_results("cost_curve", {"records": kept}, path)
             print(json.dumps(record), flush=True)
+            if "stopped_early" in record:
+                break
     drawn = plot(REAL_MODEL / "cost.png")
     print(f"drew {drawn}" if drawn else "nothing measured yet to draw")
     return 0

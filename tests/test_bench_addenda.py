@@ -190,3 +190,37 @@ def test_training_logs_peak_read_in_bytes(tmp_path, monkeypatch):
     (train / "run.log.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     monkeypatch.setattr(efl, "OUT", tmp_path)
     assert efl.training_record("run") == {"updates": 2, "tokens": 200, "seconds_per_update": 4, "peak_bytes": 3 * 2**30}
+
+
+def test_cost_curve_keeps_what_a_budget_stopped_run_measured(tmp_path, monkeypatch):
+    """A configuration the budget stops after two or more updates is recorded from its partial log (marked
+    `stopped_early`); one stopped before that records nothing and the stop goes on up."""
+    import json
+
+    from benchmarks import bench_cost_curve as cc
+    from benchmarks.common import OutOfTime
+
+    monkeypatch.setattr(cc, "predicted", lambda argv: {"predicted_bytes": 10, "fits": True})
+    monkeypatch.setattr(cc, "device", lambda: "Device(cpu, 0) test")
+    logged = []
+
+    def stopped(cmd, log):
+        partial = tmp_path / "cost" / "full-8192.partial"
+        partial.mkdir(parents=True, exist_ok=True)
+        (partial / "log.jsonl").write_text("".join(json.dumps(
+            {"step": i + 1, "loss": 2.0, "tokens": 8191, "seconds": s, "peak_memory_gb": 1.0 + i})
+            + "\n" for i, s in enumerate(logged)))
+        raise OutOfTime("budget")
+
+    monkeypatch.setattr(cc, "run_logged", stopped)
+    logged[:] = [100.0]
+    with pytest.raises(OutOfTime):
+        cc.measure("full", 8192, tmp_path / "m.gguf", tmp_path, tmp_path, 3, True)
+    logged[:] = [100.0, 40.0, 60.0]
+    record = cc.measure("full", 8192, tmp_path / "m.gguf", tmp_path, tmp_path, 5, True)
+    assert record["peak_bytes"] == 3 * 2**30 and record["seconds_per_update"] == 50.0
+    assert record["updates_timed"] == 2 and record["stopped_early"].endswith("after 3 updates")
+    assert not (tmp_path / "cost" / "full-8192.partial").exists()
+    with pytest.raises(SystemExit):
+        cc.main(["--steps", "1"])
+
