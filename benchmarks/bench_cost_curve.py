@@ -12,9 +12,10 @@ learns), PoSE at a window of W (target 32k). Its log gives the peak memory (MLX'
 updates) and the seconds of each update after the first (median); `python -m pose_mlx.plan --json` with the same
 flags gives the prediction. A configuration the planner says does not fit in this machine's memory is recorded as
 such, not run. When `--budget` runs out during a configuration that has logged two or more updates, those are its
-record (marked `stopped_early`) and the later configurations wait for the next run. Records go to `results/real_model/cost/<device>.json` (one file per device, records of earlier runs
-on that device kept unless re-measured), and `--plot-only` draws `results/real_model/cost.png` from every device's
-file: memory and seconds per update by target, full-length against PoSE.
+record (marked `stopped_early`) and the later configurations wait for the next run. Records go to
+`results/real_model/cost/<device>.json` (one file per device, records of earlier runs on that device kept unless
+re-measured), and `--plot-only` draws `results/real_model/cost.png` from every device's file: memory and seconds
+per update by target, full-length against PoSE.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.common import (DOCS, REAL_MODEL, OutOfTime, child_env, log_peak_bytes, model_file, run_logged,
+from benchmarks.common import (DOCS, REAL_MODEL, OutOfTime, child_env, log_peak_bytes, log_updates,
+                               model_file, run_logged,
                                set_budget, write_results)
 from benchmarks.evidence_full_length import joined_corpus
 from benchmarks.evidence_runs import device
@@ -73,8 +75,7 @@ def predicted(argv: list[str]) -> dict:
 def log_record(log: Path) -> dict | None:
     """What a training log measured: the largest peak (bytes), the median seconds of the updates after the first,
     how many were timed, the tokens of an update; None before two updates were logged."""
-    lines = log.read_text().splitlines() if log.is_file() else []
-    updates = [e for e in map(json.loads, filter(str.strip, lines)) if "seconds" in e and "loss" in e]
+    updates = log_updates(log)
     if len(updates) < 2:
         return None
     return {"peak_bytes": log_peak_bytes(updates),

@@ -27,8 +27,8 @@ final validation): the whole loop's period, measured by one clock outside both t
 updates; tokens/s = batch * (window - 1) / that median; the ratio pose_mlx / mlx-lm is taken round by round and its
 median reported, for the wall clock and for CPU time (which moves less on a shared machine). Each tool's own
 per-update figure (pose_mlx's log.jsonl, mlx-lm's tok/s column) is recorded too. Every child gets
-OPENBLAS_NUM_THREADS and MKL_NUM_THREADS =`--threads` (default 1: on a small shared machine a single BLAS thread gives CPU times that
-are pure work; 0 leaves the variable alone). One untimed run of each tool first fills the caches.
+OPENBLAS_NUM_THREADS and MKL_NUM_THREADS = `--threads` (default 1: on a small shared machine a single BLAS thread
+gives CPU times that are pure work; 0 leaves the variables alone). One untimed run of each tool first fills the caches.
 
 The BLAS: both children import `pose_mlx` before anything else (it loads OpenBLAS or MKL before `mlx.core`; the
 mlx-lm child then calls `mlx_lm.lora.main()`), and each measures an fp32 1024^2 matmul first: its GFLOP/s and the

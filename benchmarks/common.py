@@ -178,6 +178,13 @@ class OutOfTime(SystemExit):
 _deadline: list[float] = []  # time.monotonic() at which run_logged stops its commands; empty: no budget
 
 
+def log_updates(path: Path) -> list[dict]:
+    """The updates of a training log (`log.jsonl` / `train_log.jsonl`: the lines with a loss and seconds); [] when
+    there is no log yet."""
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return [e for e in map(json.loads, filter(str.strip, lines)) if "loss" in e and "seconds" in e]
+
+
 def log_peak_bytes(steps: list[dict]) -> float:
     """The largest MLX peak in a training log's updates, in bytes (the loop logs it in GiB as `peak_memory_gb`)."""
     return max(s["peak_memory_gb"] for s in steps) * 2**30

@@ -24,7 +24,8 @@ import sys
 import threading
 from pathlib import Path
 
-from benchmarks.common import (REAL_MODEL, OutOfTime, corpus, log_peak_bytes, model_file, passkey_command,
+from benchmarks.common import (REAL_MODEL, OutOfTime, corpus, log_peak_bytes, log_updates,
+                               model_file, passkey_command,
                                perplexity_command, ruler_command, set_budget, write_results)
 from benchmarks.evidence_runs import (addendum_arguments, addendum_settings, collect, device, ensure_trained,
                                       model_args, plot_passkey, plot_tests, record_state, records, run_all,
@@ -255,11 +256,9 @@ def curve_point(name: str, step: int, protocol: dict, gguf: Path, work: Path, te
 def training_record(name: str) -> dict | None:
     """From a run's kept training log: updates, tokens seen, median seconds per update (after the first) and the
     largest peak memory, or None before it has trained."""
-    path = OUT / "train" / f"{name}.log.jsonl"
-    if not path.is_file():
+    steps = log_updates(OUT / "train" / f"{name}.log.jsonl")
+    if not steps:
         return None
-    steps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    steps = [s for s in steps if "loss" in s and "seconds" in s]
     seconds = sorted(s["seconds"] for s in steps[1:]) or [steps[0]["seconds"]]
     return {"updates": len(steps), "tokens": sum(s["tokens"] for s in steps),
             "seconds_per_update": seconds[len(seconds) // 2],

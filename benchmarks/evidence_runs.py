@@ -162,9 +162,10 @@ def shared_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--docs", type=Path, default=DOCS, help="the reST sources (default %(default)s)")
 
 
-def addendum_arguments(description: str, protocol: Path, stages: tuple[str, ...], stage_help: str) -> tuple:
-    """(args, protocol, names) of an addendum's command line: `shared_arguments`, --stage, --jobs, --only (checked
-    against the protocol's runs: an unknown name is a usage error), --max-length and --budget."""
+def addendum_arguments(description: str, protocol: Path, stages: tuple[str, ...],
+                       stage_help: str) -> argparse.ArgumentParser:
+    """The parser of an addendum's command line: `shared_arguments`, --stage, --jobs, --only (checked against the
+    protocol's runs by `addendum_settings`), --max-length and --budget."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     shared_arguments(p)
     p.set_defaults(protocol=protocol)

@@ -41,8 +41,8 @@ from .eval import passkey, perplexity
 from .lengths import parse_length
 from .model import source
 from .places import check_output
-from .rope import SCHEDULE_NAMES
 from .plots import panels, trials_note
+from .rope import SCHEDULE_NAMES
 from .settings import RUN_FILE, Invocation, RunSettings, load_run_file, validate
 from .sim import SHIPPED_BASE, finetune_data
 
@@ -65,7 +65,6 @@ def write_corpus(folder: Path, test_docs: int, train_docs: int | None, min_chars
     return train, test
 
 
-#: How the demo's tables and plots name a RoPE schedule.
 def run_labels(schedule: str) -> dict[str, str]:
     """The demo's three runs (keys: the stems of their files) named by what they are."""
     name = SCHEDULE_NAMES.get(schedule, schedule)
