@@ -10,7 +10,7 @@
 3. A table computed by the planner alone: Llama-2-7B and -13B (their config.json values, below) extended from 4k
    to 32k, PoSE (a 4k window) and full-length fine-tuning, LoRA or full, checkpointing on/off, fp16 or 4-bit base,
    on Metal (a Mac: the planner's GPU terms) against machines of 16/32/64/128 GB (usable: 75% of it, about
-   Metal's default recommended working set).
+   Metal's default recommended working set), and the same on MLX's CPU backend (docs/results.md quotes it).
 
 Besides the float32 toys, the runs cover 16-bit bases (the 2M toy's weights stored as bfloat16 and as float16)
 and a real GGUF file (SmolLM2-135M-Instruct, Q4_1, which the loader dequantizes to float32 on the CPU), when it
@@ -205,8 +205,9 @@ def training_row(run, estimate: memory.Estimate, measured: dict, params: int) ->
             "breakdown": estimate.breakdown, **measured, "error": estimate.peak / measured["measured_bytes"] - 1}
 
 
-def llama2_table() -> list[dict]:
-    """Predicted peaks of extending Llama-2 from 4k to 32k: PoSE trains on a 4096 window, full-length on 32k."""
+def llama2_table(backend: str = "metal") -> list[dict]:
+    """Predicted peaks of extending Llama-2 from 4k to 32k on `backend` ("metal": a Mac; "cpu": MLX's CPU
+    backend): PoSE trains on a 4096 window, full-length on 32k."""
     rows = []
     for model, config in LLAMA2.items():
         for sampler, window in (("PoSE (4k window)", 4096), ("full-length 32k", 32768)):
@@ -219,7 +220,7 @@ def llama2_table() -> list[dict]:
                         if quant == "4-bit":
                             cfg["quantization"] = {"group_size": 64, "bits": 4}
                         settings = memory.TrainSettings(window=window, target=32768, lora=training == "LoRA",
-                                                        grad_checkpoint=checkpoint, sampler="pose", backend="metal")
+                                                        grad_checkpoint=checkpoint, sampler="pose", backend=backend)
                         est = memory.training_memory(cfg, settings)
                         rows.append({"model": model, "sampler": sampler, "base": quant, "training": training,
                                      "grad_checkpoint": checkpoint, "peak_bytes": est.peak, "phase": est.phase,
@@ -301,7 +302,7 @@ def main() -> None:
         rows = [r for r in previous["training"] if key(r) not in new] + rows
     evals = previous.get("evaluation", []) if args.merge or args.skip_eval else evaluation_check(folders)
     errors = [abs(r["error"]) for r in rows]
-    llama = llama2_table()
+    llama, llama_cpu = llama2_table(), llama2_table("cpu")
     summary = {
         "runs": len(rows), "within_10pct": sum(e <= 0.10 for e in errors), "within_25pct": sum(e <= 0.25 for e in errors),
         "max_abs_error": max(errors) if errors else None,
@@ -310,12 +311,13 @@ def main() -> None:
     }
     md = ("## Predicted vs measured peak memory of `python -m pose_mlx.finetune --steps 3`\n\n"
           + markdown_training(rows) + "\n\n## What fits on a Mac: Llama-2 extended from 4k to 32k "
-          f"(Metal; usable memory = {USABLE:.0%} of the machine's)\n\n" + markdown_llama(llama) + "\n")
+          f"(Metal; usable memory = {USABLE:.0%} of the machine's)\n\n" + markdown_llama(llama)
+          + "\n\n## The same on MLX's CPU backend\n\n" + markdown_llama(llama_cpu) + "\n")
     results = {
         "description": __doc__.split("\n")[0], "data": DATA,
         "models": {**previous.get("models", {}), **{k: {**MODELS.get(k, {}), **({"cast_from": CAST[k][0], "dtype": CAST[k][1]} if k in CAST else {}),
                        **({"gguf": GGUF[k].name} if k in GGUF else {}), "parameters": params[k]} for k in params}},
-        "training": rows, "evaluation": evals, "summary": summary, "llama2": llama, "llama2_configs": LLAMA2,
+        "training": rows, "evaluation": evals, "summary": summary, "llama2": llama, "llama2_cpu": llama_cpu, "llama2_configs": LLAMA2,
         "usable_fraction": USABLE, "markdown": md,
     }
     path = write_results("plan", results, args.output)

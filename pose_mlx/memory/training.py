@@ -17,9 +17,11 @@ attention through the unfused softmax(Q K^T / sqrt(d)) V, on the CPU and on Meta
   weight (or LoRA) gradient products come last, at the end of the backward; until then they hold their inputs
   and output gradients, f T c (sum of the linear layers' outputs + 2 hidden + q_dims + intermediate) + extras.
 - head = n saved + 4 T vocab x 4 bytes (the float32 logits, the log-sum-exp's and softmax's temporaries, the
-  logits' gradient) + a working set of T-sized arrays (the first block gradients, already allocated).
+  logits' gradient) + a working set of T-sized arrays (the first block gradients, already allocated); with
+  checkpointing, the last block's recomputed score matrix too (the evaluator runs it beside the loss's gradient).
 - backward = max over k of (k saved + (n - k) kept) + 2 S (the softmax gradient and its temporary) + a working
-  set of T-sized arrays; with checkpointing the block being differentiated is recomputed: its saved() returns.
+  set of T-sized arrays; with checkpointing the block being differentiated is recomputed: its saved() returns,
+  and under mx.compile one float32 logits-sized array of the loss is still alive.
 - update (full fine-tuning) = gradients + AdamW's temporaries, 4 arrays for each parameter in flight.
 
 Why working sets: MLX's CPU evaluator allocates the outputs of up to ~50 queued operations before the earlier
@@ -96,18 +98,23 @@ class Counts:
     gradients: tuple = (0, 0)  # full fine-tuning: (embedding-sized at the head, block-sized in the backward)
     kept_fraction: float = 1.0  # of the linear layers' inputs and output gradients still waiting
     checkpointed: tuple = (0, 0, 0)  # with checkpointing, per block beyond its input (T*hidden, T*inter, S)
+    head_scores: float = 0  # with checkpointing: score matrices at the head's peak (the last block recomputed)
+    backward_logits: float = 0  # float32 logits-sized arrays still alive at the backward's peak
 
 
 #: Measured on small llamas with MLX's CPU backend (fp32; 1-12 blocks, hidden 32-1024, windows 64-768, batch
 #: 1-4, vocabulary 512-32768; 450 runs), (lora, compile, grad_checkpoint) -> counts. Checkpointing under
-#: mx.compile keeps little per block (layer sweeps: about one hidden- and one intermediate-sized array).
+#: mx.compile keeps little per block (layer sweeps: about two hidden- and one intermediate-sized array). The
+#: checkpointed LoRA modes' long-row terms (`head_scores`, `backward_logits`, compiled `backward`) are fitted to
+#: benchmarks/bench_plan_long_rows.py's full-length rows of 2k-8k tokens (SmolLM2-135M's block, vocabularies of
+#: 512 and 49,152), where score matrices and logits dominate.
 COUNTS = {
     (True, False, False): Counts(head=(4, 6, 6), backward=(2, 16.5, 6), update=5),
     (True, True, False): Counts(head=(4, 8.5, 8), backward=(2, 25, 6.5), update=41),
     (True, False, True): Counts(kept=(3.5, 2.5), head=(4, 5.5, 6.5), backward=(2, 14.5, 8.5), update=5,
-                                kept_fraction=0.6),
-    (True, True, True): Counts(kept=(1, 1), head=(4, 15, 12.5), backward=(2.5, 24, 9), update=41,
-                               kept_fraction=0, checkpointed=(2, 0, 0)),
+                                kept_fraction=0.6, head_scores=1),
+    (True, True, True): Counts(kept=(2, 1), head=(4, 15, 12.5), backward=(3, 16, 4), update=41,
+                               kept_fraction=0, checkpointed=(1, 0, 0), head_scores=1, backward_logits=1),
     (False, False, False): Counts(head=(4, 17.5, 3.5), backward=(2, 39.5, 3.5), update=13.5),
     (False, True, False): Counts(head=(4, 41.5, 3), backward=(2, 49.5, 3.5), update=40),
     (False, False, True): Counts(kept=(6.5, 2.5), head=(4, 42, 10), backward=(2, 35.5, 4.5), update=8.5,
@@ -178,8 +185,10 @@ def attention_path(arch: Architecture, settings: TrainSettings) -> str:
 #: of a random Llama-2-7B-shaped bfloat16 llama (LoRA rank 8 on every block, 4096 window, target 32k) on an
 #: NVIDIA H200 (mlx-cuda 0.32.4, 2026-11-26); the factor that reproduces a measurement exactly is the one this
 #: table's terms need, rounded up for a margin (docs/memory.md, "GPU factors", has the numbers):
-#: - (True, True) 2.15: compiled, checkpointed, 4095-input rows: 31.4 GiB, i.e. 2.07. Measured in a session before
-#:   benchmarks/bench_gpu.py existed: in no results file (gpu.json's run of it ran out of the shared GPU's memory).
+#: - (True, True) 1.95: compiled, checkpointed, 4095-input rows: 31.4 GiB, i.e. 1.89 (2.07 before the long-row
+#:   refit of COUNTS, which counts more of the step on the CPU already: score matrices, a logits array, and what
+#:   blocks already differentiated keep). Measured in a session before benchmarks/bench_gpu.py existed: in no results file (gpu.json's
+#:   run of it ran out of the shared GPU's memory).
 #: - (False, True) 1.08: eager, checkpointed: 55.9 GiB at 4095 inputs (that session), i.e. 1.04, and 53.2 GiB at
 #:   4096 (benchmarks/results/gpu/gpu.json, `plan` "eager, checkpointing"), i.e. 1.05.
 #: - (True, False) 0.86: gpu.json's "compiled, no checkpointing" (51.7 GiB at 4096 inputs) implies 0.80; 0.86 puts
@@ -187,7 +196,7 @@ def attention_path(arch: Architecture, settings: TrainSettings) -> str:
 #:   bench_gpu.py run alone on a card checks it.
 #: - (False, False) 1.08: assumed as eager; never measured (gpu.json skipped it for time).
 #: A bench_gpu.py run alone on a GPU, another model shape, dtype or MLX version would refit them.
-GPU_FACTORS = {(True, True): 2.15, (True, False): 0.86, (False, True): 1.08, (False, False): 1.08}
+GPU_FACTORS = {(True, True): 1.95, (True, False): 0.86, (False, True): 1.08, (False, False): 1.08}
 TRANSIENT = ("activations", "logits", "backward_temporaries", "update_temporaries")
 
 
@@ -319,13 +328,15 @@ def _phases(arch: Architecture, settings: TrainSettings, counts: Counts, act: _A
     logits, head_rest, work_scores, work_rest = _working_sets(arch, settings, counts, act, path)
     saved, saved_scores, kept = block.saved, block.saved_scores, block.kept
     phases = {}
-    phases["head"] = {**persistent, "activations": n * saved, "attention_scores": n * saved_scores,
+    recomputing = counts.head_scores * act.scores if path == "unfused" else 0  # a fused forward keeps none
+    phases["head"] = {**persistent, "activations": n * saved, "attention_scores": n * saved_scores + recomputing,
                       "logits": logits, "backward_temporaries": head_rest, "update_temporaries": 0}
     # the backward's peak: k blocks still to differentiate keep what they saved, the n - k done ones what waits
     last = max(range(1, n + 1), key=lambda k: k * (saved + saved_scores) + (n - k) * kept)
     phases["backward"] = {**persistent, "activations": last * saved + (n - last) * kept,
                           "attention_scores": last * saved_scores + work_scores + block.recomputed_scores,
-                          "logits": 0, "backward_temporaries": work_rest + block.recomputed, "update_temporaries": 0}
+                          "logits": counts.backward_logits * act.logits,
+                          "backward_temporaries": work_rest + block.recomputed, "update_temporaries": 0}
     in_flight = min(trained.arrays, counts.update)
     phases["update"] = {**persistent, "gradients": gradients, "activations": 0, "attention_scores": 0, "logits": 0,
                         "backward_temporaries": 0,
