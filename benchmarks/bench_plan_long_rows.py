@@ -106,41 +106,47 @@ def predicted_row(record: dict) -> dict:
             "seconds": record["seconds"]}
 
 
-def real_model_rows() -> list[dict]:
-    """The real model's measured cost-curve records, planned again by today's planner (the flags they ran with)."""
-    out = []
+def real_model_rows() -> tuple[list[dict], list[dict]]:
+    """The real model's cost-curve records planned again by today's planner (the flags they ran with): those
+    measured, and those not run because the planner of their day said they do not fit."""
+    measured, unmeasured = [], []
     for path in sorted(COST.glob("*.json")):
         for r in json.loads(path.read_text())["records"]:
-            if not r.get("peak_bytes"):
-                continue
             argv = finetune_args(r["method"], r["window"], model_file(), COST, COST, 3, r["grad_checkpoint"])
             _s, ref, config, settings = planner.planned_run(argv)
             arch = memory.loaded_architecture(config, ref, settings.backend)
             now = memory.training_memory(arch, settings).peak
             config = {**config, "torch_dtype": arch.dtype}  # as loaded: the GGUF file dequantized to float32
             assert memory.training_memory(config, settings).peak == now
-            out.append({"record": str(path.relative_to(RESULTS_DIR)), "method": r["method"], "window": r["window"],
-                        "config": config, "settings": dataclasses.asdict(settings),
-                        "measured_bytes": r["peak_bytes"], "predicted_then": r["predicted_bytes"],
-                        "error_then": r["predicted_bytes"] / r["peak_bytes"] - 1, "predicted_bytes": now,
-                        "error": now / r["peak_bytes"] - 1})
-    return out
+            row = {"record": str(path.relative_to(RESULTS_DIR)), "method": r["method"], "window": r["window"],
+                   "config": config, "settings": dataclasses.asdict(settings), "predicted_then": r["predicted_bytes"],
+                   "predicted_bytes": now}
+            if not r.get("peak_bytes"):
+                unmeasured.append(row)
+                continue
+            measured.append({**row, "measured_bytes": r["peak_bytes"],
+                             "error_then": r["predicted_bytes"] / r["peak_bytes"] - 1, "error": now / r["peak_bytes"] - 1})
+    return measured, unmeasured
 
 
 def report() -> Path:
     rows = [predicted_row(r) for r in raw_records()]
-    real = real_model_rows() if model_file().is_file() else []
+    real, unmeasured = real_model_rows() if model_file().is_file() else ([], [])
     errors = [r["error"] for r in rows + real]
     summary = {"runs": len(rows), "real_model_runs": len(real), "max_abs_error": max(map(abs, errors)),
                "lowest_error": min(errors), "within_10pct": sum(abs(e) <= 0.10 for e in errors)}
     path = write_results("plan_long_rows", {"description": __doc__.split("\n")[0], "raw": RAW.name,
-                                            "runs": rows, "real_model": real, "summary": summary})
+                                            "runs": rows, "real_model": real, "real_model_unmeasured": unmeasured,
+                                            "summary": summary})
     for r in rows:
         print(f"{r['blocks']:>2} blocks v{r['vocab']:<6} {r['rows']:>5} rows compiled={r['compiled']!s:5}: predicted "
               f"{memory.format_size(r['predicted_bytes'])} ({r['phase']}), measured "
               f"{memory.format_size(r['measured_bytes'])}, {100 * r['error']:+.1f}%")
     for r in real:
         print(f"real model {r['method']} {r['window']}: {100 * r['error_then']:+.1f}% then, {100 * r['error']:+.1f}% now")
+    for r in unmeasured:
+        print(f"real model {r['method']} {r['window']}, not measured: {r['predicted_then'] / 1e9:.0f} GB planned then, "
+              f"{r['predicted_bytes'] / 1e9:.0f} GB now")
     print(json.dumps(summary), f"\nwrote {path}")
     return path
 

@@ -115,11 +115,57 @@ CLAIMS = [
      lambda: [_err("pose", 1024), _err("pose", 2048), -_err("full", 8192)]),
     ("docs/memory.md", "predicted {:+.1f}% and {:+.1f}%, and full-length at 8k, {:+.1f}%.",
      lambda: [_err("pose", 1024), _err("pose", 2048), _err("full", 8192)]),
+    ("docs/evidence.md", "refitted on long rows since, it predicts {:.0f}% and {:.0f}% high and {:.0f}% low, and {:.0f} "
+     "and {:.0f} GB at 16k and 32k",
+     lambda: [100 * _long_real("pose", 1024)["error"], 100 * _long_real("pose", 2048)["error"],
+              -100 * _long_real("full", 8192)["error"]]
+     + [r["predicted_bytes"] / 1e9 for r in _long_rows()["real_model_unmeasured"]]),
+    ("docs/results.md", "(75% of 32 GB) prints the {} peak, \"does NOT fit\", and among its changes the 4-bit base at {};",
+     lambda: [_llama("cpu", "Llama-2-7B", "PoSE", "fp16"), _llama("cpu", "Llama-2-7B", "PoSE", "4-bit")]),
+    ("docs/results.md", "predicted at {} for 7B (a 64 GB Mac; {} with a 4-bit base, 32 GB) and {} for 13B (128 GB; {} "
+     "with a 4-bit base, 64 GB). Full-length fine-tuning at 32k needs {} even with checkpointing.",
+     lambda: [_llama("metal", m, "PoSE", b) for m in ("Llama-2-7B", "Llama-2-13B") for b in ("fp16", "4-bit")]
+     + [_full_length_tb()]),
+    ("docs/memory.md", "full-length fine-tuning at 32k needs {} even with checkpointing. On the CPU backend the same runs "
+     "are predicted lower (7B LoRA with checkpointing: {})",
+     lambda: [_full_length_tb(), _llama("cpu", "Llama-2-7B", "PoSE", "fp16")]),
+    ("docs/memory.md", "{} finetune runs with one full-length row of 2k-8k tokens",
+     lambda: [len(_long_rows()["runs"])]),
+    ("docs/memory.md", "the planner is within {:.1f}% of every long-row run, and it predicts the real model's PoSE 1k "
+     "and 2k records {:+.1f}% and {:+.1f}%, and full-length 8k {:+.1f}%",
+     lambda: [100 * max(abs(r["error"]) for r in _long_rows()["runs"])]
+     + [100 * _long_real(m, w)["error"] for m, w in (("pose", 1024), ("pose", 2048), ("full", 8192))]),
     ("docs/evidence.md", "real model's at a Kendall's tau of {:.2f} on perplexity and {:.2f} on passkey (goal 0.7)",
      lambda: [_agree4("ppl_tau"), _agree4("passkey_tau")]),
     ("docs/evidence.md", "(`evidence_full_length.joined_corpus`: {} pieces, {:.2f}M tokens)",
      lambda: [_joined()["pieces"], _joined()["tokens"] / 1e6]),
 ]
+
+
+def _llama(backend: str, model: str, sampler: str, base: str) -> str:
+    """Today's planner on a Llama-2 table row with LoRA and checkpointing (benchmarks/bench_plan.py), as printed."""
+    from benchmarks.bench_plan import llama2_table
+    from pose_mlx.memory import format_size
+
+    row = next(r for r in llama2_table(backend) if (r["model"], r["sampler"].split()[0], r["base"], r["training"],
+                                                    r["grad_checkpoint"]) == (model, sampler, base, "LoRA", True))
+    return format_size(row["peak_bytes"])
+
+
+def _full_length_tb() -> str:
+    """The range of the Metal table's full-length 32k rows with checkpointing, in TB."""
+    from benchmarks.bench_plan import llama2_table
+
+    peaks = [r["peak_bytes"] for r in llama2_table() if r["sampler"].startswith("full") and r["grad_checkpoint"]]
+    return f"{min(peaks) / 1e12:.2f}-{max(peaks) / 1e12:.2f} TB"
+
+
+def _long_rows() -> dict:
+    return json.loads((ROOT / "benchmarks" / "results" / "plan_long_rows.json").read_text())
+
+
+def _long_real(method: str, window: int) -> dict:
+    return next(r for r in _long_rows()["real_model"] if (r["method"], r["window"]) == (method, window))
 
 
 def _sim_map() -> dict:
@@ -217,6 +263,21 @@ def test_the_readme_results_table_is_generated_from_the_record():
     text = (ROOT / "README.md").read_text()
     start, end = text.index(BEGIN.split(" (")[0]), text.index(END) + len(END)
     assert text[start:end] == readme_block(_real()), "run python -m benchmarks.evidence_summary"
+
+
+@pytest.mark.parametrize("doc,backend", [("docs/memory.md", "metal"), ("docs/results.md", "cpu")])
+def test_the_llama2_tables_are_todays_planner(doc, backend):
+    """The Llama-2 what-fits tables are what the planner predicts now (benchmarks/bench_plan.py writes them)."""
+    from benchmarks.bench_plan import llama2_table, markdown_llama
+
+    assert markdown_llama(llama2_table(backend)) in (ROOT / doc).read_text(), "run python -m benchmarks.bench_plan"
+
+
+def test_the_memory_doc_quotes_the_plan_benchmark_table():
+    from benchmarks.bench_plan import markdown_training
+
+    rows = json.loads((ROOT / "benchmarks" / "results" / "plan.json").read_text())["training"]
+    assert markdown_training(rows) in (ROOT / "docs" / "memory.md").read_text()
 
 
 LINK = re.compile(r"\[[^\]]*\]\(([^)#\s]+)(#[^)\s]*)?\)")

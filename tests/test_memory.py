@@ -340,6 +340,27 @@ def test_gpu_prediction_holds_the_h200_measurements(compiled, rows, measured_gib
     assert 1.0 <= predicted / measured_gib <= 1.10  # never under, at most 10% over
 
 
+def _gpu_row(compiled: bool, rows: int, measured_gib: float) -> tuple[str, str]:
+    """docs/memory.md's rows for an H200 measurement, from today's planner: the measured-against-planner table's
+    row, and the factor table's "implied | planner" cells (implied: the factor that would give the measurement)."""
+    estimate = memory.training_memory(LLAMA2_7B, _gpu_settings(compile=compiled, window=rows + 1))
+    factor = memory.GPU_FACTORS[(compiled, True)]
+    transient = sum(v for k, v in estimate.breakdown.items() if k in memory.TRANSIENT)
+    alone, peak = (estimate.peak - transient + transient / factor) / 2**30, estimate.peak / 2**30
+    implied = (measured_gib * 2**30 - (estimate.peak - transient)) / (transient / factor)
+    error = 100 * (peak / measured_gib - 1)
+    return (f"| {'compiled' if compiled else 'eager'} | {rows} | {estimate.details['attention']} | {measured_gib} GiB | "
+            f"{alone:.1f} GiB | {peak:.1f} GiB | {error:+.1f}% |", f"| {implied:.2f} | {peak:.1f} GiB ({error:+.1f}%) |")
+
+
+@pytest.mark.parametrize("compiled, rows, measured_gib", [(True, 4095, 31.4), (False, 4095, 55.9), (False, 4096, 53.2)])
+def test_the_gpu_tables_in_the_docs_are_todays_planner(compiled, rows, measured_gib):
+    table_row, factor_cells = _gpu_row(compiled, rows, measured_gib)
+    text = (ROOT / "docs" / "memory.md").read_text()
+    assert table_row in text
+    assert factor_cells in text or not compiled  # the eager factor's row quotes two measurements in one cell
+
+
 def test_fused_attention_keeps_no_score_matrix():
     unfused = memory.training_memory(LLAMA2_7B, _gpu_settings(backend="metal", window=4097))
     fused = memory.training_memory(LLAMA2_7B, _gpu_settings(window=4097))
