@@ -64,6 +64,10 @@ RUNS = [
     ("2M-bf16", 256, 1024, "pose", 2, True, False, True, []),
     ("2M-fp16", 512, 2048, "pose", 1, False, True, True, []),
     ("SmolLM2-Q4_1", 1024, 16384, "pose", 1, False, False, True, ["--schedule", "yarn", "--lora-rank", "16"]),
+    ("2M-bf16", 1024, 4096, "pose", 2, False, True, True, []),  # 16-bit checkpointed LoRA, compiled and eager
+    ("2M-fp16", 256, 1024, "pose", 4, False, True, True, []),
+    ("2M-bf16", 512, 2048, "full", 1, False, True, True, []),
+    ("2M-fp16", 512, 2048, "pose", 1, False, True, False, []),
 ]
 
 LLAMA2 = {  # the config.json values of meta-llama/Llama-2-7b-hf and Llama-2-13b-hf that decide memory

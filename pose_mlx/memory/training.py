@@ -98,6 +98,7 @@ class Counts:
     gradients: tuple = (0, 0)  # full fine-tuning: (embedding-sized at the head, block-sized in the backward)
     kept_fraction: float = 1.0  # of the linear layers' inputs and output gradients still waiting
     checkpointed: tuple = (0, 0, 0)  # with checkpointing, per block beyond its input (T*hidden, T*inter, S)
+    backward16: tuple | None = None  # 16-bit models, when they differ: `backward`'s (T*hidden, T*inter), float32
     head_scores: float = 0  # with checkpointing: score matrices at the head's peak (the last block recomputed)
     backward_logits: float = 0  # float32 logits-sized arrays still alive at the backward's peak
 
@@ -112,9 +113,10 @@ COUNTS = {
     (True, False, False): Counts(head=(4, 6, 6), backward=(2, 16.5, 6), update=5),
     (True, True, False): Counts(head=(4, 8.5, 8), backward=(2, 25, 6.5), update=41),
     (True, False, True): Counts(kept=(3.5, 2.5), head=(4, 5.5, 6.5), backward=(2, 14.5, 8.5), update=5,
-                                kept_fraction=0.6, head_scores=1),
+                                kept_fraction=0.6, head_scores=1, backward_logits=1),
     (True, True, True): Counts(kept=(2, 1), head=(4, 15, 12.5), backward=(3, 16, 4), update=41,
-                               kept_fraction=0, checkpointed=(1, 0, 0), head_scores=1, backward_logits=1),
+                               kept_fraction=0, checkpointed=(1, 0, 0), head_scores=1, backward_logits=1,
+                               backward16=(20, 4)),
     (False, False, False): Counts(head=(4, 17.5, 3.5), backward=(2, 39.5, 3.5), update=13.5),
     (False, True, False): Counts(head=(4, 41.5, 3), backward=(2, 49.5, 3.5), update=40),
     (False, False, True): Counts(kept=(6.5, 2.5), head=(4, 42, 10), backward=(2, 35.5, 4.5), update=8.5,
@@ -185,18 +187,19 @@ def attention_path(arch: Architecture, settings: TrainSettings) -> str:
 #: of a random Llama-2-7B-shaped bfloat16 llama (LoRA rank 8 on every block, 4096 window, target 32k) on an
 #: NVIDIA H200 (mlx-cuda 0.32.4, 2026-11-26); the factor that reproduces a measurement exactly is the one this
 #: table's terms need, rounded up for a margin (docs/memory.md, "GPU factors", has the numbers):
-#: - (True, True) 1.95: compiled, checkpointed, 4095-input rows: 31.4 GiB, i.e. 1.89 (2.07 before the long-row
-#:   refit of COUNTS, which counts more of the step on the CPU already: score matrices, a logits array, and what
-#:   blocks already differentiated keep). Measured in a session before benchmarks/bench_gpu.py existed: in no results file (gpu.json's
+#: - (True, True) 1.8: compiled, checkpointed, 4095-input rows: 31.4 GiB, i.e. 1.74 (2.07 before the long-row
+#:   refit of COUNTS, which counts more of the step on the CPU already: score matrices, a logits array, what blocks
+#:   already differentiated keep, and a 16-bit model's float32 temporaries). Measured in a session before benchmarks/bench_gpu.py existed: in no results file (gpu.json's
 #:   run of it ran out of the shared GPU's memory).
-#: - (False, True) 1.08: eager, checkpointed: 55.9 GiB at 4095 inputs (that session), i.e. 1.04, and 53.2 GiB at
-#:   4096 (benchmarks/results/gpu/gpu.json, `plan` "eager, checkpointing"), i.e. 1.05.
+#: - (False, True) 1.08: eager, checkpointed: 55.9 GiB at 4095 inputs (that session), i.e. 1.03, and 53.2 GiB at
+#:   4096 (benchmarks/results/gpu/gpu.json, `plan` "eager, checkpointing"), i.e. 1.04 (1.04 and 1.05 before the
+#:   long-row refit counted a logits array in the backward).
 #: - (True, False) 0.86: gpu.json's "compiled, no checkpointing" (51.7 GiB at 4096 inputs) implies 0.80; 0.86 puts
 #:   the prediction 5.4% above it (the eager factor, assumed before, erred 26% high). One measurement: the next
 #:   bench_gpu.py run alone on a card checks it.
 #: - (False, False) 1.08: assumed as eager; never measured (gpu.json skipped it for time).
 #: A bench_gpu.py run alone on a GPU, another model shape, dtype or MLX version would refit them.
-GPU_FACTORS = {(True, True): 1.95, (True, False): 0.86, (False, True): 1.08, (False, False): 1.08}
+GPU_FACTORS = {(True, True): 1.8, (True, False): 0.86, (False, True): 1.08, (False, False): 1.08}
 TRANSIENT = ("activations", "logits", "backward_temporaries", "update_temporaries")
 
 
@@ -307,6 +310,8 @@ def _working_sets(arch: Architecture, settings: TrainSettings, counts: Counts, a
     wide = (c + 4) / (2 * c)
     head = wide * (hidden_arrays * act.hidden + intermediate_arrays * act.intermediate)
     score_arrays, hidden_arrays, intermediate_arrays = counts.backward
+    if c < 4 and counts.backward16:  # measured apart: a 16-bit model's casts add float32 temporaries
+        (hidden_arrays, intermediate_arrays), wide = counts.backward16, 4 / c
     backward_scores = 0 if path == "fused" else score_arrays * act.scores
     backward = wide * (hidden_arrays * act.hidden + intermediate_arrays * act.intermediate)
     if not settings.lora:  # weight gradients already allocated by the evaluator running ahead
