@@ -129,6 +129,16 @@ CLAIMS = [
     ("docs/memory.md", "full-length fine-tuning at 32k needs {} even with checkpointing. On the CPU backend the same runs "
      "are predicted lower (7B LoRA with checkpointing: {})",
      lambda: [_full_length_tb(), _llama("cpu", "Llama-2-7B", "PoSE", "fp16")]),
+    ("docs/memory.md", "against {} real `--steps 3` runs on other models", lambda: [_plan()["summary"]["runs"]]),
+    ("docs/memory.md", "{} within 10%, all within {:.1f}%; evaluation (`perplexity`, `passkey` at 2048 and 4096 tokens) "
+     "within {:.1f}%.", lambda: [_plan()["summary"]["within_10pct"], 100 * _plan()["summary"]["max_abs_error"],
+                                 100 * _plan()["summary"]["eval_max_abs_error"]]),
+    ("docs/results.md", "checks the planner against {} real `--steps 3` runs", lambda: [_plan()["summary"]["runs"]]),
+    ("docs/results.md", "{} within 10% of the measured peak, all within {:.1f}% ([the table](memory.md)); its evaluations "
+     "within {:.1f}%. `benchmarks/bench_plan_long_rows.py` adds {} runs with one full-length row of 2k-8k tokens: all "
+     "within {:.1f}%.", lambda: [_plan()["summary"]["within_10pct"], 100 * _plan()["summary"]["max_abs_error"],
+                                 100 * _plan()["summary"]["eval_max_abs_error"], len(_long_rows()["runs"]),
+                                 100 * max(abs(r["error"]) for r in _long_rows()["runs"])]),
     ("docs/memory.md", "{} finetune runs with one full-length row of 2k-8k tokens",
      lambda: [len(_long_rows()["runs"])]),
     ("docs/memory.md", "the planner is within {:.1f}% of every long-row run, and it predicts the real model's PoSE 1k "
@@ -158,6 +168,10 @@ def _full_length_tb() -> str:
 
     peaks = [r["peak_bytes"] for r in llama2_table() if r["sampler"].startswith("full") and r["grad_checkpoint"]]
     return f"{min(peaks) / 1e12:.2f}-{max(peaks) / 1e12:.2f} TB"
+
+
+def _plan() -> dict:
+    return json.loads((ROOT / "benchmarks" / "results" / "plan.json").read_text())
 
 
 def _long_rows() -> dict:
