@@ -11,7 +11,8 @@ a second each), keeps the choice in a cache file and loads the faster one from t
 
 Choice, through the environment variable ``POSE_MLX_BLAS``:
   unset or ``auto``  the fastest of OpenBLAS and MKL (the `mkl` PyPI package) present, measured once and cached
-                     (``$XDG_CACHE_HOME/pose_mlx/blas.json``); warn once if neither is found
+                     (``$XDG_CACHE_HOME/pose_mlx/blas.json``, one choice per Python environment and library
+                     files); warn once if neither is found
   ``openblas`` / ``mkl``  only that library (warn if missing)
   ``off``            load nothing
   a file path        load exactly that shared library
@@ -126,25 +127,53 @@ def measure(path: str, timeout: float = 120.0) -> float | None:
     return float(result["gflops"]) if result.get("library") else None
 
 
-def _fastest(candidates: list[str]) -> tuple[list[str], dict]:
-    """`candidates` fastest first, by the cached measurement for this machine or a new one (written back)."""
-    key, cache = _machine_key(candidates), cache_path()
+def _choices(cache: Path) -> dict:
+    """The cache's measured choices, {machine key: {"order", "gflops"}} (a file of one choice, as written before
+    several environments shared it, reads as that one)."""
     try:
         saved = json.loads(cache.read_text())
-        if saved.get("key") == key:
-            return saved["order"], saved["gflops"]
-    except (OSError, ValueError, KeyError, AttributeError):
-        pass
-    gflops = {path: measure(path) for path in candidates}
-    order = sorted(candidates, key=lambda p: -(gflops[p] or 0.0))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(saved, dict):
+        return {}
+    if "key" in saved:
+        return {saved["key"]: {"order": saved.get("order"), "gflops": saved.get("gflops")}}
+    return saved.get("choices", {}) if isinstance(saved.get("choices"), dict) else {}
+
+
+def _fastest(candidates: list[str]) -> tuple[list[str], dict]:
+    """`candidates` fastest first, by the cached measurement for this machine key or a new one (written back).
+
+    Every environment (interpreter, library files) keeps its own entry, so two virtual environments on one machine
+    do not measure again in turn and flip each other's choice; and a lock makes the processes that start together
+    measure once: the others wait for it and read the result, so they all load the same library."""
+    import fcntl  # POSIX only: this runs on Linux alone
+
+    key, cache = _machine_key(candidates), cache_path()
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_name(f".{cache.name}.{os.getpid()}")
-        tmp.write_text(json.dumps({"key": key, "order": order, "gflops": gflops}, indent=1))
-        os.replace(tmp, cache)
-    except OSError:  # a read-only home: measure again next time
-        pass
-    return order, gflops
+        lock = open(cache.with_name(cache.name + ".lock"), "w")
+    except OSError:  # a read-only home: measure, and again next time
+        lock = None
+    try:
+        if lock is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        choices = _choices(cache)
+        entry = choices.get(key)
+        if isinstance(entry, dict) and entry.get("order") and entry.get("gflops"):
+            return entry["order"], entry["gflops"]
+        gflops = {path: measure(path) for path in candidates}
+        order = sorted(candidates, key=lambda p: -(gflops[p] or 0.0))
+        try:
+            tmp = cache.with_name(f".{cache.name}.{os.getpid()}")
+            tmp.write_text(json.dumps({"choices": {**choices, key: {"order": order, "gflops": gflops}}}, indent=1))
+            os.replace(tmp, cache)
+        except OSError:  # measured again next time
+            pass
+        return order, gflops
+    finally:
+        if lock is not None:
+            lock.close()  # releases the lock
 
 
 def _auto() -> None:

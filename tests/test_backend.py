@@ -74,7 +74,7 @@ def test_auto_measures_both_once_and_loads_the_faster(tmp_path):
     gflops = result["status"]["gflops"]
     assert len(gflops) == 2 and all(g and g > 0 for g in gflops.values())
     assert result["status"]["library"] == max(gflops, key=gflops.get)
-    saved = json.loads((tmp_path / "pose_mlx" / "blas.json").read_text())
+    (saved,) = json.loads((tmp_path / "pose_mlx" / "blas.json").read_text())["choices"].values()
     assert saved["gflops"] == gflops and saved["order"][0] == result["status"]["library"]
     # only the loaded one is in the process (the measurements ran in children)
     assert result["openblas_mapped"] != result["mkl_mapped"]
@@ -85,10 +85,11 @@ def test_auto_measures_both_once_and_loads_the_faster(tmp_path):
 def test_auto_follows_the_cached_choice_without_measuring_again(tmp_path):
     probe(cache=tmp_path)
     path = tmp_path / "pose_mlx" / "blas.json"
-    saved = json.loads(path.read_text())
+    cache = json.loads(path.read_text())
+    (saved,) = cache["choices"].values()
     saved["order"].reverse()  # the slower one first: only a cache that is read can make auto pick it
     saved["gflops"] = {lib: 1.0 for lib in saved["order"]}
-    path.write_text(json.dumps(saved))
+    path.write_text(json.dumps(cache))
     result, _ = probe(cache=tmp_path)
     assert result["status"]["library"] == saved["order"][0] and result["status"]["gflops"] == saved["gflops"]
     mkl_first = "mkl" in saved["order"][0]
@@ -102,6 +103,35 @@ def test_a_cache_from_another_machine_is_measured_again(tmp_path):
     (tmp_path / "pose_mlx" / "blas.json").write_text(json.dumps({"key": "another CPU", "order": [], "gflops": {}}))
     result, _ = probe(cache=tmp_path)
     assert len(result["status"]["gflops"]) == 2
+
+
+@linux_only
+@both_present
+def test_another_environment_keeps_its_own_choice(tmp_path):
+    """Two virtual environments on one machine share the cache file: measuring for this one keeps the other's
+    entry as it was (one entry per file would make them measure again in turn and flip each other's library)."""
+    other = {"order": ["libopenblas.so.0"], "gflops": {"libopenblas.so.0": 1.0}}
+    (tmp_path / "pose_mlx").mkdir()
+    (tmp_path / "pose_mlx" / "blas.json").write_text(json.dumps({"choices": {"another venv": other}}))
+    result, _ = probe(cache=tmp_path)
+    choices = json.loads((tmp_path / "pose_mlx" / "blas.json").read_text())["choices"]
+    assert choices["another venv"] == other and len(choices) == 2
+    assert result["status"]["gflops"] != other["gflops"]  # this environment measured its own
+
+
+@linux_only
+@both_present
+def test_processes_starting_together_measure_once_and_agree(tmp_path):
+    """Three processes start with no cache: one measures while the others wait for it, so all three report the very
+    same measurements (two measurements never give equal floats) and load the same library."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    env.pop("POSE_MLX_BLAS", None)
+    procs = [subprocess.Popen([sys.executable, "-c", PROBE], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    results = [json.loads(p.communicate(timeout=300)[0].strip().splitlines()[-1]) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    statuses = [r["status"] for r in results]
+    assert all(s["gflops"] == statuses[0]["gflops"] and s["library"] == statuses[0]["library"] for s in statuses)
 
 
 @linux_only
