@@ -11,7 +11,8 @@ original window is set to W / 2 for W <= 8k, since the cost of an update does no
 learns), PoSE at a window of W (target 32k). Its log gives the peak memory (MLX's peak, the maximum over the
 updates) and the seconds of each update after the first (median); `python -m pose_mlx.plan --json` with the same
 flags gives the prediction. A configuration the planner says does not fit in this machine's memory is recorded as
-such, not run. When `--budget` runs out during a configuration that has logged two or more updates, those are its
+such, not run; `--skip-recorded` leaves out what this device's file already records (how `benchmarks.gpu_jobs` runs
+it, with checkpointing, slot after slot). When `--budget` runs out during a configuration that has logged two or more updates, those are its
 record (marked `stopped_early`) and the later configurations wait for the next run. Records go to
 `results/real_model/cost/<device>.json` (one file per device, records of earlier runs on that device kept unless
 re-measured), and `--plot-only` draws `results/real_model/cost.png` from every device's file: memory and seconds
@@ -110,6 +111,20 @@ def measure(method: str, window: int, gguf: Path, data: Path, work: Path, steps:
     return record
 
 
+def recorded(records: list[dict], method: str, window: int, checkpoint: bool) -> bool:
+    """Whether `records` hold this configuration whole: measured to the end, or planned not to fit."""
+    return any((r["method"], r["window"], r["grad_checkpoint"]) == (method, window, checkpoint)
+               and ("not_measured" in r or ("peak_bytes" in r and "stopped_early" not in r)) for r in records)
+
+
+def gpu_pending(configs: str = DEFAULT_CONFIGS) -> str | None:
+    """Why the cost curve is pending on a GPU (gpu_jobs): the configurations no GPU's file records whole."""
+    gpu = [r for path in sorted(COST.glob("*.json")) for r in json.loads(path.read_text())["records"]
+           if "Device(gpu" in r.get("device", "")]
+    missing = [f"{m}:{w}" for m, w in parse_configs(configs) if not recorded(gpu, m, w, True)]
+    return f"not measured on a GPU: {', '.join(missing)}" if missing else None
+
+
 def device_file() -> Path:
     """results/real_model/cost/<kind>-<model>.json, e.g. cpu-amd-epyc.json, from `device()`."""
     found = re.match(r"Device\((\w+), \d+\)\s*(.*)", device().split(" on ")[0])
@@ -171,6 +186,9 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=None,
                    help="seconds: stop the running configuration when spent (recorded from its updates, two or more)")
     p.add_argument("--plot-only", action="store_true", help="only draw cost.png from the committed records")
+    p.add_argument("--skip-recorded", action="store_true",
+                   help="leave out the configurations this device's file already records (measured, or planned not to "
+                        "fit): a run that a budget stopped goes on with the rest")
     args = p.parse_args(argv)
     if args.steps < 2:
         p.error("--steps must be at least 2: the first update is not timed")
@@ -181,6 +199,8 @@ def main(argv=None) -> int:
         path = device_file()
         kept = json.loads(path.read_text())["records"] if path.is_file() else []
         for method, window in parse_configs(args.configs):
+            if args.skip_recorded and recorded(kept, method, window, args.grad_checkpoint):
+                continue
             try:
                 record = measure(method, window, gguf, data, args.work, args.steps, args.grad_checkpoint)
             except OutOfTime as stop:

@@ -9,7 +9,9 @@ trials), and the next slot goes on from there. The jobs, most important first:
                        and nothing was cut);
   2. full-length       `benchmarks.evidence_full_length`: both fine-tunings, the Fig. 3c curve, the registered trials;
   3. 8x                `benchmarks.evidence_8x --stage eval`: the 64k trials (once the prediction is registered and the
-                       64k PoSE adapters are committed).
+                       64k PoSE adapters are committed);
+  4. cost              `benchmarks.bench_cost_curve --grad-checkpoint --skip-recorded`: the real model's cost curve
+                       (PoSE at 1k/2k, full-length at 8k/16k/32k) on the GPU, the configurations not yet recorded.
 
 Each pending, ready job runs as its own process (its own session) with `--budget` = the time left minus a reserve
 (`RESERVE`, for packing and for the job's own stop); no job starts with less than 30 s. A job still running
@@ -129,7 +131,15 @@ def default_jobs() -> list[Job]:
                 lambda: status_pending("benchmarks.evidence_full_length"),
                 keep=(str(WORK / "trained"), str(WORK / "snapshots"), str(WORK / "logs"))),
             Job("8x", [*py, "benchmarks.evidence_8x", "--stage", "eval", "--jobs", "3"],
-                lambda: status_pending("benchmarks.evidence_8x"), ready_8x, keep=(str(WORK / "logs"),))]
+                lambda: status_pending("benchmarks.evidence_8x"), ready_8x, keep=(str(WORK / "logs"),)),
+            Job("cost", [*py, "benchmarks.bench_cost_curve", "--grad-checkpoint", "--skip-recorded"],
+                cost_pending)]
+
+
+def cost_pending() -> str | None:
+    from benchmarks.bench_cost_curve import gpu_pending as pending
+
+    return pending()
 
 
 def dry_jobs(scratch: Path) -> list[Job]:

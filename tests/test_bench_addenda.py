@@ -224,3 +224,35 @@ def test_cost_curve_keeps_what_a_budget_stopped_run_measured(tmp_path, monkeypat
     with pytest.raises(SystemExit):
         cc.main(["--steps", "1"])
 
+
+
+def test_cost_curve_on_a_gpu_is_pending_until_each_configuration_is_recorded_whole(tmp_path, monkeypatch):
+    """gpu_jobs' `cost` job: pending while a GPU's file lacks a configuration, or holds it only stopped early; a CPU's
+    records never count; `--skip-recorded` runs only what is missing, slot after slot."""
+    import json
+
+    from benchmarks import bench_cost_curve as cc
+
+    monkeypatch.setattr(cc, "COST", tmp_path)
+    gpu = "Device(gpu, 0) NVIDIA H200"
+    whole = [{"method": "pose", "window": 1024, "grad_checkpoint": True, "device": gpu, "peak_bytes": 1},
+             {"method": "full", "window": 32768, "grad_checkpoint": True, "device": gpu, "fits": False,
+              "not_measured": "the planner predicts it does not fit"}]
+    early = {"method": "full", "window": 8192, "grad_checkpoint": True, "device": gpu, "peak_bytes": 1,
+             "stopped_early": "the budget ran out after 2 updates"}
+    cpu = {**whole[0], "window": 2048, "device": "Device(cpu, 0) AMD EPYC"}
+    (tmp_path / "gpu-nvidia-h200.json").write_text(json.dumps({"records": [*whole, early]}))
+    (tmp_path / "cpu-amd-epyc.json").write_text(json.dumps({"records": [cpu]}))
+    configs = "pose:1024,pose:2048,full:8192,full:32768"
+    assert cc.gpu_pending(configs) == "not measured on a GPU: pose:2048, full:8192"
+    assert cc.gpu_pending("pose:1024,full:32768") is None
+    ran = []
+    monkeypatch.setattr(cc, "device_file", lambda: tmp_path / "gpu-nvidia-h200.json")
+    monkeypatch.setattr(cc, "model_file", lambda: tmp_path / "m.gguf")
+    monkeypatch.setattr(cc, "joined_corpus", lambda *a: tmp_path)
+    monkeypatch.setattr(cc, "plot", lambda path: None)
+    monkeypatch.setattr(cc, "measure", lambda method, window, *a: ran.append((method, window)) or
+                        {"method": method, "window": window, "grad_checkpoint": True, "device": gpu, "peak_bytes": 2})
+    assert cc.main(["--configs", configs, "--grad-checkpoint", "--skip-recorded"]) == 0
+    assert ran == [("pose", 2048), ("full", 8192)]
+    assert cc.gpu_pending(configs) is None

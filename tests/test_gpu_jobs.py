@@ -223,10 +223,11 @@ def test_bench_gpu_is_pending_until_alone_and_whole(tmp_path):
 
 def test_the_real_jobs_and_the_dry_run_are_the_intended_commands(tmp_path):
     jobs = gpu_jobs.default_jobs()
-    assert [j.name for j in jobs] == ["bench_gpu", "full-length", "8x"]
+    assert [j.name for j in jobs] == ["bench_gpu", "full-length", "8x", "cost"]
     assert [j.command[2:] for j in jobs] == [
         ["benchmarks.bench_gpu"], ["benchmarks.evidence_full_length", "--stage", "all", "--jobs", "3"],
-        ["benchmarks.evidence_8x", "--stage", "eval", "--jobs", "3"]]
+        ["benchmarks.evidence_8x", "--stage", "eval", "--jobs", "3"],
+        ["benchmarks.bench_cost_curve", "--grad-checkpoint", "--skip-recorded"]]
     for job in jobs:  # each takes --budget
         help_text = subprocess.run([*job.command[:3], "--help"], capture_output=True, text=True, cwd=ROOT).stdout
         assert "--budget" in help_text
