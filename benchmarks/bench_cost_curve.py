@@ -12,8 +12,8 @@ learns), PoSE at a window of W (target 32k). Its log gives the peak memory (MLX'
 updates) and the seconds of each update after the first (median); `python -m pose_mlx.plan --json` with the same
 flags gives the prediction. A configuration the planner says does not fit in this machine's memory is recorded as
 such, not run; `--skip-recorded` leaves out what this device's file already records (how `benchmarks.gpu_jobs` runs
-it, with checkpointing, slot after slot). When `--budget` runs out during a configuration that has logged two or more updates, those are its
-record (marked `stopped_early`) and the later configurations wait for the next run. Records go to
+it, with checkpointing, slot after slot). When `--budget` runs out during a configuration that has logged two or
+more updates, those are its record (marked `stopped_early`) and the later configurations wait for the next run. Records go to
 `results/real_model/cost/<device>.json` (one file per device, records of earlier runs on that device kept unless
 re-measured), and `--plot-only` draws `results/real_model/cost.png` from every device's file: memory and seconds
 per update by target, full-length against PoSE.

@@ -102,7 +102,8 @@ def predicted_row(record: dict) -> dict:
             "settings": dataclasses.asdict(settings_of(rows, compiled)),
             "measured_bytes": record["measured_bytes"], "predicted_bytes": estimate.peak, "phase": estimate.phase,
             "error": estimate.peak / record["measured_bytes"] - 1,
-            "score_matrix_bytes": estimate.details["score_matrix_bytes"], "logits_bytes": estimate.details["logits_bytes"],
+            "score_matrix_bytes": estimate.details["score_matrix_bytes"],
+            "logits_bytes": estimate.details["logits_bytes"],
             "seconds": record["seconds"]}
 
 
@@ -124,8 +125,8 @@ def real_model_rows() -> tuple[list[dict], list[dict]]:
             if not r.get("peak_bytes"):
                 unmeasured.append(row)
                 continue
-            measured.append({**row, "measured_bytes": r["peak_bytes"],
-                             "error_then": r["predicted_bytes"] / r["peak_bytes"] - 1, "error": now / r["peak_bytes"] - 1})
+            measured.append({**row, "measured_bytes": r["peak_bytes"], "error": now / r["peak_bytes"] - 1,
+                             "error_then": r["predicted_bytes"] / r["peak_bytes"] - 1})
     return measured, unmeasured
 
 
@@ -143,7 +144,8 @@ def report() -> Path:
               f"{memory.format_size(r['predicted_bytes'])} ({r['phase']}), measured "
               f"{memory.format_size(r['measured_bytes'])}, {100 * r['error']:+.1f}%")
     for r in real:
-        print(f"real model {r['method']} {r['window']}: {100 * r['error_then']:+.1f}% then, {100 * r['error']:+.1f}% now")
+        print(f"real model {r['method']} {r['window']}: {100 * r['error_then']:+.1f}% then, "
+              f"{100 * r['error']:+.1f}% now")
     for r in unmeasured:
         print(f"real model {r['method']} {r['window']}, not measured: {r['predicted_then'] / 1e9:.0f} GB planned then, "
               f"{r['predicted_bytes'] / 1e9:.0f} GB now")

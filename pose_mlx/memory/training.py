@@ -21,7 +21,7 @@ attention through the unfused softmax(Q K^T / sqrt(d)) V, on the CPU and on Meta
   checkpointing, the last block's recomputed score matrix too (the evaluator runs it beside the loss's gradient).
 - backward = max over k of (k saved + (n - k) kept) + 2 S (the softmax gradient and its temporary) + a working
   set of T-sized arrays; with checkpointing the block being differentiated is recomputed: its saved() returns,
-  and under mx.compile one float32 logits-sized array of the loss is still alive.
+  and one float32 logits-sized array of the loss is still alive.
 - update (full fine-tuning) = gradients + AdamW's temporaries, 4 arrays for each parameter in flight.
 
 Why working sets: MLX's CPU evaluator allocates the outputs of up to ~50 queued operations before the earlier
@@ -108,7 +108,8 @@ class Counts:
 #: mx.compile keeps little per block (layer sweeps: about two hidden- and one intermediate-sized array). The
 #: checkpointed LoRA modes' long-row terms (`head_scores`, `backward_logits`, compiled `backward`) are fitted to
 #: benchmarks/bench_plan_long_rows.py's full-length rows of 2k-8k tokens (SmolLM2-135M's block, vocabularies of
-#: 512 and 49,152), where score matrices and logits dominate.
+#: 512 and 49,152), where score matrices and logits dominate; `backward16` to bench_plan.py's four compiled,
+#: checkpointed 16-bit runs.
 COUNTS = {
     (True, False, False): Counts(head=(4, 6, 6), backward=(2, 16.5, 6), update=5),
     (True, True, False): Counts(head=(4, 8.5, 8), backward=(2, 25, 6.5), update=41),
@@ -189,8 +190,8 @@ def attention_path(arch: Architecture, settings: TrainSettings) -> str:
 #: table's terms need, rounded up for a margin (docs/memory.md, "GPU factors", has the numbers):
 #: - (True, True) 1.8: compiled, checkpointed, 4095-input rows: 31.4 GiB, i.e. 1.74 (2.07 before the long-row
 #:   refit of COUNTS, which counts more of the step on the CPU already: score matrices, a logits array, what blocks
-#:   already differentiated keep, and a 16-bit model's float32 temporaries). Measured in a session before benchmarks/bench_gpu.py existed: in no results file (gpu.json's
-#:   run of it ran out of the shared GPU's memory).
+#:   already differentiated keep, and a 16-bit model's float32 temporaries). Measured in a session before
+#:   benchmarks/bench_gpu.py existed: in no results file (gpu.json's run of it ran out of the shared GPU's memory).
 #: - (False, True) 1.08: eager, checkpointed: 55.9 GiB at 4095 inputs (that session), i.e. 1.03, and 53.2 GiB at
 #:   4096 (benchmarks/results/gpu/gpu.json, `plan` "eager, checkpointing"), i.e. 1.04 (1.04 and 1.05 before the
 #:   long-row refit counted a logits array in the backward).
