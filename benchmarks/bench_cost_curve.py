@@ -13,10 +13,10 @@ updates) and the seconds of each update after the first (median); `python -m pos
 flags gives the prediction. A configuration the planner says does not fit in this machine's memory is recorded as
 such, not run; `--skip-recorded` leaves out what this device's file already records (how `benchmarks.gpu_jobs` runs
 it, with checkpointing, slot after slot). When `--budget` runs out during a configuration that has logged two or
-more updates, those are its record (marked `stopped_early`) and the later configurations wait for the next run. Records go to
-`results/real_model/cost/<device>.json` (one file per device, records of earlier runs on that device kept unless
-re-measured), and `--plot-only` draws `results/real_model/cost.png` from every device's file: memory and seconds
-per update by target, full-length against PoSE.
+more updates, those are its record (marked `stopped_early`) and the later configurations wait for the next run.
+Records go to `results/real_model/cost/<device>.json` (one file per device, records of earlier runs on that device
+kept unless re-measured), and `--plot-only` draws `results/real_model/cost.png` from every device's file: memory
+and seconds per update by target, full-length against PoSE.
 """
 
 from __future__ import annotations
@@ -30,9 +30,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.common import (DOCS, REAL_MODEL, OutOfTime, child_env, log_peak_bytes, log_updates,
-                               model_file, run_logged,
-                               set_budget, write_results)
+from benchmarks.common import (DOCS, REAL_MODEL, OutOfTime, child_env, log_peak_bytes, log_updates, model_file,
+                               run_logged, set_budget, write_results)
 from benchmarks.evidence_full_length import joined_corpus
 from benchmarks.evidence_runs import device
 

@@ -24,9 +24,8 @@ import sys
 import threading
 from pathlib import Path
 
-from benchmarks.common import (REAL_MODEL, OutOfTime, corpus, log_peak_bytes, log_updates,
-                               model_file, passkey_command,
-                               perplexity_command, ruler_command, set_budget, write_results)
+from benchmarks.common import (REAL_MODEL, OutOfTime, corpus, log_peak_bytes, log_updates, model_file,
+                               passkey_command, perplexity_command, ruler_command, set_budget, write_results)
 from benchmarks.evidence_runs import (addendum_arguments, addendum_settings, collect, device, ensure_trained,
                                       model_args, plot_passkey, plot_tests, record_state, records, run_all,
                                       run_recorded, trials, unseen_corpus)

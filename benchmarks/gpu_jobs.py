@@ -137,9 +137,10 @@ def default_jobs() -> list[Job]:
 
 
 def cost_pending() -> str | None:
-    from benchmarks.bench_cost_curve import gpu_pending as pending
+    """Why the cost job is pending (`bench_cost_curve.gpu_pending`, imported when asked, as `ready_8x` does)."""
+    from benchmarks.bench_cost_curve import gpu_pending
 
-    return pending()
+    return gpu_pending()
 
 
 def dry_jobs(scratch: Path) -> list[Job]:

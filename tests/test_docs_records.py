@@ -135,6 +135,10 @@ CLAIMS = [
      lambda: [_unseen8(n) for n in ("none", "dynamic", "yarn", "adapt-yarn", "adapt-dynamic", "pose-yarn-64k")]
      + [100 * (_unseen8(n) / _unseen8("none") - 1) for n in ("pose-yarn-64k", "yarn")]),
     ("docs/memory.md", "against {} real `--steps 3` runs on other models", lambda: [_plan()["summary"]["runs"]]),
+    ("benchmarks/README.md", "the memory planner's predicted peak vs {} real `pose_mlx.finetune --steps 3` runs",
+     lambda: [_plan()["summary"]["runs"]]),
+    ("benchmarks/README.md", "the planner on long checkpointed LoRA rows: {} full-length `pose_mlx.finetune --steps 3` "
+     "runs", lambda: [len(_long_rows()["runs"])]),
     ("docs/memory.md", "{} within 10%, all within {:.1f}%; evaluation (`perplexity`, `passkey` at 2048 and 4096 tokens) "
      "within {:.1f}%.", lambda: [_plan()["summary"]["within_10pct"], 100 * _plan()["summary"]["max_abs_error"],
                                  100 * _plan()["summary"]["eval_max_abs_error"]]),
