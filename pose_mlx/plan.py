@@ -401,7 +401,7 @@ def render(plan: memory.Plan, arch: memory.Architecture, model: str, source: str
 
 #: The settings a plan depends on (`_lengths`, `memory.run_settings`, `memory.limit`): `plan --help` lists their flags.
 PLANNED = ("model", "target", "original", "window", "sampler", "full", "lora_rank", "lora_layers", "batch_size",
-           "grad_accum", "grad_checkpoint", "compile", "align_rows", "max_memory")
+           "grad_accum", "grad_checkpoint", "compile", "kernels", "align_rows", "max_memory")
 
 
 def _parser():

@@ -21,6 +21,7 @@ from .training.positions import CONTENT, REFERENCE_SAMPLERS, SAMPLERS
 #: --sampler: the position samplers a run trains with, and `none` (no training: the schedule only).
 RUN_SAMPLERS = tuple(s for s in SAMPLERS if s not in REFERENCE_SAMPLERS) + ("none",)
 ALIGN_ROWS = ("auto", "on", "off")
+KERNELS = ("auto", "mlx")
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,9 @@ class RunSettings:
         "(`python -m pose_mlx.plan` predicts the saving)", True),))
     compile: bool = setting(True, flags=(Flag("--no-compile", "run the training step eagerly instead of under "
                                                               "mx.compile (same math)", False),))
+    kernels: str = setting(
+        "auto", "auto (default): attention in query blocks, the loss in row chunks, C++ kernels on a Linux CPU; "
+                "mlx: MLX's own (docs/cpu-training.md)", rule=one_of(KERNELS), choices=KERNELS)
     align_rows: str = setting(
         "auto", "pad each training row with masked tokens to a multiple of 128 inputs, so that MLX's CUDA attention "
                 "can use its fused backward: auto (default: on with CUDA only), on, off; the loss is unchanged",
@@ -202,5 +206,5 @@ def kind_of(f) -> type:
     return {"int": int, "float": float, "bool": bool, "str": str, "dict": dict}[f.type.split(" |")[0]]
 
 
-__all__ = ["ALIGN_ROWS", "Flag", "Invocation", "POSITIVE", "RUN_SAMPLERS", "Rule", "RunSettings", "between",
+__all__ = ["ALIGN_ROWS", "Flag", "KERNELS", "Invocation", "POSITIVE", "RUN_SAMPLERS", "Rule", "RunSettings", "between",
            "flags_of", "kind_of", "one_of", "setting"]

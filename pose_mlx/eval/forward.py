@@ -11,29 +11,11 @@ runs and its last row is returned.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..model.head import PLAIN_HEAD_MODULES, output_head
 from .cpu_attention import fast_attention
-
-#: mlx-lm modules whose `Model.__call__` is exactly `head(self.model(inputs, cache))` with `head` chosen by
-#: `args.tie_word_embeddings` (mistral is built by the llama module).
-PLAIN_HEAD_MODULES = frozenset({
-    "mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3", "mlx_lm.models.phi3",
-    "mlx_lm.models.starcoder2",
-})
-
-
-def output_head(model: nn.Module) -> Callable[[mx.array], mx.array] | None:
-    """The map from final hidden states to logits of a plain-head family, or None for other families."""
-    inner, args = getattr(model, "model", None), getattr(model, "args", None)
-    if type(model).__module__ not in PLAIN_HEAD_MODULES or inner is None or args is None:
-        return None
-    if getattr(args, "tie_word_embeddings", False):
-        return inner.embed_tokens.as_linear
-    return getattr(model, "lm_head", None)
 
 
 def eval_logits(model: nn.Module, inputs: mx.array, cache=None, last_only: bool = False) -> mx.array:

@@ -35,6 +35,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import signal
@@ -52,6 +53,9 @@ from tqdm import tqdm
 
 from .checkpoint import NonFiniteWeights, load_checkpoint, read_state, save_checkpoint
 from .distributed import SINGLE, World
+from ..kernels import route
+from ..kernels.loss import chunked_cross_entropy
+from ..model.head import head_layer
 from ..errors import Stopped, UserError
 from ..files import write_atomic
 
@@ -103,6 +107,7 @@ class TrainConfig:
     grad_accum: int = 1
     grad_checkpoint: bool = False
     compile: bool = True
+    kernels: str = "auto"  # "auto": `pose_mlx.kernels.route.training_route`; "mlx": MLX's own attention and loss
     loss_scale: float = 1.0
     save_every: int = 0
     eval_every: int = 0
@@ -112,7 +117,7 @@ class TrainConfig:
     def __post_init__(self):
         assert self.steps >= 1 and self.grad_accum >= 1, self
         assert min(self.warmup, self.save_every, self.eval_every) >= 0, self
-        assert self.lr > 0 and self.loss_scale >= 1, self
+        assert self.lr > 0 and self.loss_scale >= 1 and self.kernels in ("auto", "mlx"), self
 
 
 def learning_rate_schedule(lr: float, warmup: int, steps: int) -> Callable:
@@ -130,11 +135,20 @@ def make_optimizer(config: TrainConfig) -> optim.Optimizer:
                        weight_decay=0.0)
 
 
-def masked_loss(model: nn.Module, inputs: mx.array, targets: mx.array, mask: mx.array) -> mx.array:
-    """Mean cross-entropy over the tokens with mask 1 (call inside `use_positions`)."""
-    logits = model(inputs).astype(mx.float32)
-    ce = nn.losses.cross_entropy(logits, targets) * mask
-    return ce.sum() / mx.maximum(mask.sum(), 1.0)
+def masked_loss(model: nn.Module, inputs: mx.array, targets: mx.array, mask: mx.array, kernels: str = "auto",
+                gradient: bool = True) -> mx.array:
+    """Mean cross-entropy over the tokens with mask 1 (call inside `use_positions`). With `kernels` "auto", on a
+    backend without fused attention (`route.lacks_fused_backward`) a plain-head model's loss runs over the vocabulary
+    in row chunks (`pose_mlx.kernels.loss`): the same value without the whole float32 logits; with "mlx" never.
+    `gradient` False: a value only (not differentiable), which the chunked loss computes for less."""
+    head = head_layer(model) if kernels == "auto" and route.lacks_fused_backward() else None
+    if head is not None:
+        trained = "weight" in head.trainable_parameters()
+        total = chunked_cross_entropy(model.model(inputs), head.weight, targets, mask, gradient, trained)
+    else:
+        logits = model(inputs).astype(mx.float32)
+        total = (nn.losses.cross_entropy(logits, targets) * mask).sum()
+    return total / mx.maximum(mask.sum(), 1.0)
 
 
 def evaluate(model: nn.Module, batches: Iterable, at_positions: Callable) -> float:
@@ -143,7 +157,7 @@ def evaluate(model: nn.Module, batches: Iterable, at_positions: Callable) -> flo
     for batch in batches:
         mask = mx.array(batch.mask)
         with at_positions(model, *position_inputs(batch)):
-            loss = masked_loss(model, mx.array(batch.inputs), mx.array(batch.targets), mask)
+            loss = masked_loss(model, mx.array(batch.inputs), mx.array(batch.targets), mask, gradient=False)
         n = float(mask.sum().item())
         total += float(loss.item()) * n
         count += n
@@ -362,9 +376,10 @@ def loss_scale_for(model: nn.Module, requested: float | None = None) -> float:
     return FLOAT16_LOSS_SCALE if compute_dtype(model) == mx.float16 else 1.0
 
 
-def token_sum_loss(model: nn.Module, inputs: mx.array, targets: mx.array, mask: mx.array) -> mx.array:
+def token_sum_loss(model: nn.Module, inputs: mx.array, targets: mx.array, mask: mx.array, kernels: str = "auto",
+                   gradient: bool = True) -> mx.array:
     """n * `masked_loss` with n = sum_t mask_t: the summed cross-entropy whose gradient is n times the mean's."""
-    return masked_loss(model, inputs, targets, mask) * mask.sum()
+    return masked_loss(model, inputs, targets, mask, kernels, gradient) * mask.sum()
 
 
 def scaled_value_and_grad(model: nn.Module, loss_fn: Callable, scale: float = 1.0) -> Callable:
@@ -393,10 +408,11 @@ def make_update(model: nn.Module, optimizer: optim.Optimizer, config: TrainConfi
     model's and the optimizer's state.
     """
     distributed = world.size > 1
-    value_and_grad = scaled_value_and_grad(model, token_sum_loss if distributed else masked_loss, config.loss_scale)
+    loss_fn = functools.partial(token_sum_loss if distributed else masked_loss, kernels=config.kernels)
+    value_and_grad = scaled_value_and_grad(model, loss_fn, config.loss_scale)
 
     def gradients(inputs, targets, mask, positions, stop):
-        with at_positions(model, *positions):
+        with at_positions(model, *positions), route.training_route(model, config.kernels):
             loss, grads = value_and_grad(model, inputs, targets, mask)
         if not distributed:
             return loss, grads, mask.sum(), stop
@@ -414,6 +430,9 @@ def make_update(model: nn.Module, optimizer: optim.Optimizer, config: TrainConfi
         state = [model.state, optimizer.state]
         apply = mx.compile(apply, inputs=state, outputs=state)
 
+    # the blocked attention and chunked loss need their graphs evaluated in order to stay within their memory
+    in_order = route.in_order if config.kernels == "auto" else contextlib.nullcontext
+
     def update(batches, stop: bool = False) -> UpdateResult:
         grads, losses, tokens, stops = None, [], 0, 0
         flag = mx.array(1.0 if stop else 0.0)
@@ -422,7 +441,8 @@ def make_update(model: nn.Module, optimizer: optim.Optimizer, config: TrainConfi
             loss, g, count, asked = gradients(mx.array(batch.inputs), mx.array(batch.targets),
                                               mx.array(batch.mask), position_inputs(batch), flag)
             if config.grad_accum > 1:
-                mx.eval(loss, g, count, asked)  # one micro-batch's graph at a time
+                with in_order():
+                    mx.eval(loss, g, count, asked)  # one micro-batch's graph at a time
             grads = g if grads is None else tree_map(mx.add, grads, g)
             losses.append(loss)
             tokens, stops = tokens + count, stops + asked
@@ -431,7 +451,8 @@ def make_update(model: nn.Module, optimizer: optim.Optimizer, config: TrainConfi
         norm = apply(grads)
         mean_loss = losses[0] if len(losses) == 1 else mx.mean(mx.stack(losses))
         report = mx.stack([mean_loss.astype(mx.float32), norm.astype(mx.float32), tokens, stops])
-        mx.eval(model.parameters(), optimizer.state, report)
+        with in_order():
+            mx.eval(model.parameters(), optimizer.state, report)
         loss, norm, tokens, stops = report.tolist()
         return UpdateResult(loss, norm, int(tokens), stops > 0 if distributed else stop)
 
@@ -458,7 +479,8 @@ def _enable_grad_checkpoint(model) -> Callable:
 def probe_loss(model: nn.Module, batch, at_positions: Callable) -> float:
     """The model's mean loss on `batch` (at its position ids)."""
     with at_positions(model, *position_inputs(batch)):
-        loss = masked_loss(model, mx.array(batch.inputs), mx.array(batch.targets), mx.array(batch.mask))
+        loss = masked_loss(model, mx.array(batch.inputs), mx.array(batch.targets), mx.array(batch.mask),
+                           gradient=False)
     return float(loss.item())
 
 

@@ -37,6 +37,7 @@ def fine_tune(model: nn.Module, tokenizer, plan, at_positions) -> dict:
               f"({data.skipped.skipped_binary} binary, {data.skipped.skipped_encoding} not UTF-8)", file=sys.stderr)
     config = TrainConfig(steps=s.steps, lr=s.lr, warmup=s.warmup, max_grad_norm=s.max_grad_norm,
                          grad_accum=s.grad_accum, grad_checkpoint=s.grad_checkpoint, compile=s.compile,
+                         kernels=s.kernels,
                          loss_scale=loss_scale, save_every=s.save_every, eval_every=s.eval_every, progress=s.progress,
                          resume_command=plan.resume_command)
     t0 = time.perf_counter()

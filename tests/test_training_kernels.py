@@ -1,0 +1,132 @@
+"""Training through pose_mlx.kernels (the loop's default, `kernels="auto"`) against MLX's own attention and loss
+(`kernels="mlx"`): the same gradients on every family, the same losses over 20 updates, and the routing itself."""
+
+import sys
+
+import numpy as np
+import pytest
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from pose_mlx import extend, use_positions
+from pose_mlx.kernels import loss, route, rows
+from pose_mlx.training.lora import LoraSpec, add_lora
+from pose_mlx.training.loop import TrainConfig, _enable_grad_checkpoint, make_optimizer, make_update, masked_loss
+
+from conftest import FAMILY_CONFIGS, VOCAB, build_model, cpu_only
+
+
+def _batch(seed: int, length: int = 24, target: int = 256):
+    """Token ids, targets, a mask with a padded tail, and skipping position ids below `target`."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, VOCAB, size=(2, length + 1))
+    mask = np.ones((2, length), np.float32)
+    mask[1, -5:] = 0
+    positions = np.sort(rng.choice(target, size=(2, length), replace=False), axis=1)
+    return (mx.array(tokens[:, :-1]), mx.array(tokens[:, 1:]), mx.array(mask), mx.array(positions.astype(np.int32)))
+
+
+def _gradients(model, kernels: str, batch):
+    import mlx.nn as nn
+
+    inputs, targets, mask, positions = batch
+
+    def loss_fn(x, y, m):
+        return masked_loss(model, x, y, m, kernels=kernels, gradient=True)
+
+    with use_positions(model, positions), route.training_route(model, kernels):
+        value, grads = nn.value_and_grad(model, loss_fn)(inputs, targets, mask)
+    mx.eval(value, grads)
+    return float(value.item()), dict(tree_flatten(grads))
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_every_family_has_mlx_s_gradients(family, lora):
+    model = build_model(family, seed=1)
+    extend(model, "yarn", 64, 256)
+    if lora:
+        add_lora(model, LoraSpec(rank=4, scale=2.0, num_layers=-1), seed=0)
+    else:
+        model.unfreeze()
+    batch = _batch(0)
+    value, grads = _gradients(model, "auto", batch)
+    want, want_grads = _gradients(model, "mlx", batch)
+    assert abs(value - want) <= 1e-6 * abs(want)
+    assert grads.keys() == want_grads.keys() and grads
+    for name, g in want_grads.items():
+        assert _rel(grads[name], g) <= 1e-5, name
+
+
+@pytest.mark.parametrize("compile_, checkpoint", [(True, False), (False, True), (True, True)])
+def test_twenty_updates_lose_what_mlx_s_path_loses(compile_, checkpoint):
+    def run(kernels):
+        model = build_model("llama", seed=2, num_hidden_layers=3, tie_word_embeddings=True)
+        extend(model, "yarn", 64, 256)
+        model.unfreeze()
+        config = TrainConfig(steps=20, lr=1e-3, warmup=2, compile=compile_, grad_checkpoint=checkpoint,
+                             kernels=kernels, progress=False)
+        restore = _enable_grad_checkpoint(model) if checkpoint else None
+        update = make_update(model, make_optimizer(config), config, use_positions)
+
+        class Batch:
+            def __init__(self, seed):
+                self.inputs, self.targets, self.mask, self.positions = (np.array(a) for a in _batch(seed))
+
+        losses = [update(iter([Batch(step)])).loss for step in range(config.steps)]
+        if restore:
+            restore()
+        return losses
+
+    ours, theirs = run("auto"), run("mlx")
+    assert theirs[-1] < theirs[0]  # it learns
+    assert np.allclose(ours, theirs, rtol=1e-4, atol=0)
+
+
+def test_training_route_swaps_the_family_names_and_restores_them():
+    from mlx_lm.models import activations, base
+
+    model = build_model("llama")
+    module = sys.modules[type(model).__module__]
+    with route.training_route(model) as swapped:
+        assert module.scaled_dot_product_attention is route.blocked_attention  # the CPU has no fused backward
+        native = rows.native(mx.zeros(1)) is not None
+        assert (module.swiglu is rows.swiglu) == native
+        assert swapped == [module.__name__] * (2 if native else 1)
+    assert module.scaled_dot_product_attention is base.scaled_dot_product_attention
+    assert module.swiglu is activations.swiglu
+    with route.training_route(model, "mlx") as swapped:
+        assert swapped == [] and module.scaled_dot_product_attention is base.scaled_dot_product_attention
+
+
+@cpu_only("peak memory is measured on the CPU's allocator")
+def test_the_loss_never_holds_the_whole_logits(monkeypatch):
+    """rows x vocab float32 logits (32 MB here) against chunks of 2 MB: the chunked loss's peak stays far below
+    (a quarter of the whole logits allows the chunk, its gradient and the next chunk's logits)."""
+    rows_, vocab, hidden = 512, 16384, 32
+    monkeypatch.setattr(loss, "CHUNK_BYTES", 2 << 20)
+    keys = mx.random.split(mx.random.key(0), 3)
+    h, w = mx.random.normal((rows_, hidden), key=keys[0]), mx.random.normal((vocab, hidden), key=keys[1])
+    t, weights = mx.random.randint(0, vocab, (rows_,), key=keys[2]), mx.ones((rows_,))
+    mx.eval(h, w, t, weights)
+
+    def peak(fn):
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        with route.in_order():  # as the training loop evaluates
+            mx.eval(mx.grad(fn)(h))
+        return mx.get_peak_memory() - base
+
+    logits_bytes = rows_ * vocab * 4
+    import mlx.nn as nn
+
+    whole = peak(lambda a: (nn.losses.cross_entropy(a @ w.T, t) * weights).sum())
+    chunked = peak(lambda a: loss.chunked_cross_entropy(a, w, t, weights, gradient=True))
+    assert whole >= logits_bytes
+    assert chunked < logits_bytes / 4
