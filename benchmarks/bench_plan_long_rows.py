@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks import bench_plan
-from benchmarks.bench_cost_curve import COST, finetune_args
+from experiments.bench_cost_curve import COST, finetune_args
 from benchmarks.common import RESULTS_DIR, model_file, write_results
 from pose_mlx import memory, toy
 from pose_mlx import plan as planner

@@ -3,7 +3,7 @@
 The evidence is the real-model benchmark's record, `RECORD` (benchmarks/results/real_model/results.json, with the
 protocol it names): its top level is one block, measured at factor target / original, and a key `factor_<N>x`
 holds another block of the same schema (e.g. `factor_8x`, target 65536). `summarize(record, protocols)` reduces
-each block to what the line says, in the package's `evidence.json` (written by `python -m benchmarks.evidence_summary`;
+each block to what the line says, in the package's `evidence.json` (written by `python -m experiments.evidence_summary`;
 a test checks it equals the record's summary):
 
 - `training_free`: the best training-free run and how it retrieved the passkey against the headline PoSE run in

@@ -1,10 +1,10 @@
-"""The protocol addenda's scripts (benchmarks/evidence_8x.py, evidence_full_length.py): what they run, and the
+"""The protocol addenda's scripts (experiments/evidence_8x.py, evidence_full_length.py): what they run, and the
 registered decisions computed from hand-made numbers."""
 
 import pytest
 
-from benchmarks import evidence_8x as e8
-from benchmarks.protocol import load_protocol
+from experiments import evidence_8x as e8
+from experiments.protocol import load_protocol
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def test_8x_evaluations_wait_for_the_registered_prediction(protocol8, tmp_path, 
 
 # ------------------------------------------------------------------------------------------ addendum A (full length)
 
-from benchmarks import evidence_full_length as efl  # noqa: E402
+from experiments import evidence_full_length as efl  # noqa: E402
 
 
 def test_pieces_close_at_the_minimum_and_fold_remainders_back():
@@ -115,7 +115,7 @@ def test_full_length_goals_from_hand_made_numbers():
 
 
 def test_cost_curve_runs_what_the_addendum_registers(tmp_path):
-    from benchmarks import bench_cost_curve as cc
+    from experiments import bench_cost_curve as cc
 
     assert cc.parse_configs(cc.DEFAULT_CONFIGS) == [("pose", 1024), ("pose", 2048), ("full", 8192), ("full", 16384),
                                                     ("full", 32768)]
@@ -135,7 +135,7 @@ def test_cost_curve_runs_what_the_addendum_registers(tmp_path):
 
 
 def test_pareto_front_ranks_confirmed_runs_only_and_keeps_the_undominated():
-    from benchmarks.evidence_summary import front, points
+    from experiments.evidence_summary import front, points
 
     runs = {"a": {"stage": "confirmation", "passkey": {"32768": 0.9}, "ppl": {"32768": 6.0}},
             "b": {"stage": "confirmation", "passkey": {"32768": 0.9}, "ppl": {"32768": 7.0}},  # a beats it
@@ -197,7 +197,7 @@ def test_cost_curve_keeps_what_a_budget_stopped_run_measured(tmp_path, monkeypat
     `stopped_early`); one stopped before that records nothing and the stop goes on up."""
     import json
 
-    from benchmarks import bench_cost_curve as cc
+    from experiments import bench_cost_curve as cc
     from benchmarks.common import OutOfTime
 
     monkeypatch.setattr(cc, "predicted", lambda argv: {"predicted_bytes": 10, "fits": True})
@@ -231,7 +231,7 @@ def test_cost_curve_on_a_gpu_is_pending_until_each_configuration_is_recorded_who
     records never count; `--skip-recorded` runs only what is missing, slot after slot."""
     import json
 
-    from benchmarks import bench_cost_curve as cc
+    from experiments import bench_cost_curve as cc
 
     monkeypatch.setattr(cc, "COST", tmp_path)
     gpu = "Device(gpu, 0) NVIDIA H200"

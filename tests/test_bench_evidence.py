@@ -1,4 +1,4 @@
-"""benchmarks/bench_evidence.py's scheduler: every task runs, failures are retried once alone, and the tasks that
+"""experiments/bench_evidence.py's scheduler: every task runs, failures are retried once alone, and the tasks that
 still fail come back (the screening evaluates only the candidates whose fine-tuning did not fail); its status."""
 
 import json
@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-import benchmarks.bench_evidence as bench
-from benchmarks.bench_evidence import run_all
+import experiments.bench_evidence as bench
+from experiments.bench_evidence import run_all
 
 
 def test_run_all_retries_failures_once_alone_and_returns_what_still_fails(capsys):
@@ -44,8 +44,8 @@ def test_run_all_with_one_job_tries_each_task_once():
 def test_protocol_fine_tunings_carry_their_loss_scale(tmp_path):
     """Every screening candidate's fine-tuning command parses as pose_mlx.finetune settings with the loss scale
     the protocol registers: 1 for the first stage (trained before loss scaling existed), 4096 for `*-scaled`."""
-    from benchmarks.evidence_runs import protocol_finetune
-    from benchmarks.protocol import load_protocol
+    from experiments.evidence_runs import protocol_finetune
+    from experiments.protocol import load_protocol
     from benchmarks.common import ROOT
     from pose_mlx.settings import parse_invocation
 
@@ -69,7 +69,7 @@ def test_status_reads_what_an_interrupted_evaluation_left(tmp_path, monkeypatch)
     from dataclasses import dataclass
 
     from benchmarks.common import ROOT
-    from benchmarks.protocol import load_protocol
+    from experiments.protocol import load_protocol
     from pose_mlx.resumable import RecordLog
 
     @dataclass
@@ -101,7 +101,7 @@ def test_status_reads_what_an_interrupted_evaluation_left(tmp_path, monkeypatch)
 def test_the_tests_plot_draws_one_row_per_test_and_nothing_without_tests(tmp_path, monkeypatch):
     import matplotlib.pyplot as plt
 
-    from benchmarks.evidence_runs import plot_tests
+    from experiments.evidence_runs import plot_tests
 
     tests = [{"length": 16384, "pose": "p", "control": c, "difference": d, "ci95": ci, "verdict": v}
              for c, d, ci, v in [("dynamic", -0.03, [-0.18, 0.11], "not distinguishable"),
@@ -123,7 +123,7 @@ def test_the_headline_is_the_better_pose_run_by_the_registered_rule():
     unseen-domain perplexity within 3% of the base's; none qualified: the higher 4k passkey, ties to the lower 32k
     perplexity; while the screening's winner is unmeasured, the run that has numbers."""
     from benchmarks.common import ROOT
-    from benchmarks.protocol import load_protocol
+    from experiments.protocol import load_protocol
 
     protocol = load_protocol(ROOT / "benchmarks" / "protocols" / "real_model.yaml")
     protocol["runs"]["winner"] = {"role": "pose", "train": {}}
@@ -141,7 +141,7 @@ def test_the_headline_is_the_better_pose_run_by_the_registered_rule():
 
 
 def test_the_short_documents_supplement_pools_token_weighted_and_finds_what_was_left_out(tmp_path, monkeypatch):
-    from benchmarks import evidence_short_documents as short
+    from experiments import evidence_short_documents as short
     protocol = {"target": 32768, "perplexity": {"target": {"documents": 4}}}
     for folder in ("eval", "supplement"):
         monkeypatch.setattr(bench, folder.upper(), tmp_path / folder)

@@ -1,7 +1,8 @@
 """Every `pose_mlx.<name>` that the docs, the READMEs and the code's comments and docstrings mention exists:
 dotted names import (the longest module prefix) and resolve attribute by attribute; every
-`python -m pose_mlx.<module>` is a runnable module and every `python -m benchmarks.<script>` a file in
-benchmarks/."""
+`python -m pose_mlx.<module>` is a runnable module and every `python -m benchmarks.<script>` (`experiments.`) a
+file in benchmarks/ (experiments/). A record under benchmarks/results/ keeps the command of the day it was written:
+a script it names may since have moved to experiments/."""
 
 import importlib
 import importlib.util
@@ -15,17 +16,18 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 NAME = re.compile(r"(?<![\w/])pose_mlx(?:\.[A-Za-z_]\w*)+")
 COMMAND = re.compile(r"python -m (pose_mlx(?:\.\w+)*)")
-BENCHMARK = re.compile(r"python -m benchmarks\.(\w+)")
+SCRIPT = re.compile(r"python -m (benchmarks|experiments)\.(\w+)")
 SUFFIX = re.compile(r"\.(py|json|md)$")  # a file name, not a dotted name
 
 
 def _docs() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "benchmarks").glob("**/*.md"))]
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "benchmarks").glob("**/*.md")),
+            *sorted((ROOT / "experiments").glob("**/*.md"))]
 
 
 def _sources() -> list[Path]:
     own = Path(__file__).resolve()  # its stale examples are on purpose
-    return sorted(p for folder in ("pose_mlx", "tools", "benchmarks", "tests") for p in (ROOT / folder).glob("**/*.py")
+    return sorted(p for folder in ("pose_mlx", "tools", "benchmarks", "experiments", "tests") for p in (ROOT / folder).glob("**/*.py")
                   if p.resolve() != own)
 
 
@@ -95,6 +97,9 @@ def test_every_documented_command_is_a_module(path):
 
 
 @pytest.mark.parametrize("path", _docs(), ids=lambda p: str(p.relative_to(ROOT)))
-def test_every_documented_benchmark_exists(path):
-    for script in set(BENCHMARK.findall(path.read_text())):
-        assert (ROOT / "benchmarks" / f"{script}.py").is_file(), f"{path.name}: python -m benchmarks.{script}"
+def test_every_documented_script_exists(path):
+    record = (ROOT / "benchmarks" / "results") in path.parents
+    for package, script in set(SCRIPT.findall(path.read_text())):
+        homes = ("benchmarks", "experiments") if record else (package,)
+        assert any((ROOT / home / f"{script}.py").is_file() for home in homes), \
+            f"{path.name}: python -m {package}.{script}"

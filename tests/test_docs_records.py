@@ -286,11 +286,11 @@ def test_a_stale_number_is_caught():
 
 
 def test_the_readme_results_table_is_generated_from_the_record():
-    from benchmarks.evidence_summary import BEGIN, END, readme_block
+    from experiments.evidence_summary import BEGIN, END, readme_block
 
     text = (ROOT / "README.md").read_text()
     start, end = text.index(BEGIN.split(" (")[0]), text.index(END) + len(END)
-    assert text[start:end] == readme_block(_real()), "run python -m benchmarks.evidence_summary"
+    assert text[start:end] == readme_block(_real()), "run python -m experiments.evidence_summary"
 
 
 @pytest.mark.parametrize("doc,backend", [("docs/memory.md", "metal"), ("docs/results.md", "cpu")])

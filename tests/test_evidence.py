@@ -21,7 +21,7 @@ def _record() -> dict:
 
 
 def test_the_shipped_summary_is_the_records():
-    """pose_mlx/evidence.json is what `python -m benchmarks.evidence_summary` makes of the record today."""
+    """pose_mlx/evidence.json is what `python -m experiments.evidence_summary` makes of the record today."""
     assert json.loads(evidence.SHIPPED.read_text()) == evidence.summarize(_record(), ROOT)
 
 

@@ -1,4 +1,4 @@
-"""benchmarks.gpu_jobs with fake jobs (`python -c` children that sleep, write files, ignore SIGTERM or fail): the
+"""experiments.gpu_jobs with fake jobs (`python -c` children that sleep, write files, ignore SIGTERM or fail): the
 budget each job is given and kept to, the outcomes and what is pending before and after, the packing into at most
 15 MiB pieces and 7 files (a random file over 15 MiB split and joined back byte for byte), --unpack's refusals,
 and the command line's errors."""
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import gpu_jobs
-from benchmarks.gpu_jobs import Job
+from experiments import gpu_jobs
+from experiments.gpu_jobs import Job
 from pose_mlx.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -225,9 +225,9 @@ def test_the_real_jobs_and_the_dry_run_are_the_intended_commands(tmp_path):
     jobs = gpu_jobs.default_jobs()
     assert [j.name for j in jobs] == ["bench_gpu", "full-length", "8x", "cost"]
     assert [j.command[2:] for j in jobs] == [
-        ["benchmarks.bench_gpu"], ["benchmarks.evidence_full_length", "--stage", "all", "--jobs", "3"],
-        ["benchmarks.evidence_8x", "--stage", "eval", "--jobs", "3"],
-        ["benchmarks.bench_cost_curve", "--grad-checkpoint", "--skip-recorded"]]
+        ["benchmarks.bench_gpu"], ["experiments.evidence_full_length", "--stage", "all", "--jobs", "3"],
+        ["experiments.evidence_8x", "--stage", "eval", "--jobs", "3"],
+        ["experiments.bench_cost_curve", "--grad-checkpoint", "--skip-recorded"]]
     for job in jobs:  # each takes --budget
         help_text = subprocess.run([*job.command[:3], "--help"], capture_output=True, text=True, cwd=ROOT).stdout
         assert "--budget" in help_text
@@ -242,6 +242,6 @@ def test_command_line_errors_are_one_line(tmp_path):
                           (["--budget", "0", "--out", str(tmp_path / "o")], "--budget must be > 0"),
                           (["--out", str(tmp_path)], "holds other files"),
                           (["--unpack", str(tmp_path / "x.txt")], "expected results.tar.gz")):
-        proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_jobs", *argv], capture_output=True, text=True,
+        proc = subprocess.run([sys.executable, "-m", "experiments.gpu_jobs", *argv], capture_output=True, text=True,
                               cwd=ROOT)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr

@@ -153,12 +153,12 @@ def test_heatmap_text_norm_and_colour_bar(tmp_path, saved):
     assert bar.get_ylabel() == "ratio"
 
 
-def _benchmark(name):
+def _benchmark(name, package="benchmarks"):
     import importlib
 
     from benchmarks.common import RESULTS_DIR
 
-    return importlib.import_module(f"benchmarks.{name}"), RESULTS_DIR
+    return importlib.import_module(f"{package}.{name}"), RESULTS_DIR
 
 
 def test_finetune_cost_legend_is_below_both_panels(tmp_path, saved):
@@ -178,7 +178,7 @@ def test_finetune_cost_legend_is_below_both_panels(tmp_path, saved):
 
 
 def test_real_model_runs_are_named_by_what_they_are():
-    bench, _ = _benchmark("bench_real_model")
+    bench, _ = _benchmark("bench_real_model", "experiments")
     assert bench.run_label("none") == "original (no scaling)"
     assert bench.run_label("yarn") == "YaRN, no training"
     assert bench.run_label("pose-yarn (lr3e-5)") == "PoSE + YaRN (lr3e-5)"

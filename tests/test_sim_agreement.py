@@ -133,8 +133,8 @@ def test_every_mapped_name_is_a_grid_run_or_the_real_models():
 @pytest.mark.parametrize("path", [SIM_JSON, REAL_JSON], ids=["sim", "real_model"])
 def test_committed_agreement_is_the_function_of_the_committed_numbers(path):
     """Both results.json files record the agreement of the committed numbers; after new real-model runs,
-    `python -m benchmarks.sim_agreement` brings them (and the report) up to date."""
-    from benchmarks.sim_agreement import ablations
+    `python -m experiments.sim_agreement` brings them (and the report) up to date."""
+    from experiments.sim_agreement import ablations
 
     recorded = json.loads(path.read_text())["sim_agreement"]
     expected = agreement(json.loads(SIM_JSON.read_text()), json.loads(REAL_JSON.read_text()))

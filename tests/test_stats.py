@@ -7,7 +7,7 @@ import math
 import pytest
 import yaml
 
-from benchmarks.protocol import PROTOCOLS, checked_power, difference_tests, discordant, load_protocol, select_recipe
+from experiments.protocol import PROTOCOLS, checked_power, difference_tests, discordant, load_protocol, select_recipe
 from pose_mlx.analysis.stats import difference_interval, kendall_tau, power, verdict, wilson
 
 # Newcombe (1998), Table II, method 10 (hybrid score), to the four decimals printed there.

@@ -11,7 +11,7 @@
 # `pip install --no-index --no-deps --target` into $POSE_MLX_GPU_SITE (default /tmp/site), puts that and the
 # checkout on PYTHONPATH, checks that MLX's default device is the GPU, uses the SmolLM2 GGUF and puts the
 # evidence texts in place when they were carried (--data), and runs
-# `python3 -m benchmarks.gpu_jobs --budget B --out DIR` with B = --budget (default 540) less the seconds the
+# `python3 -m experiments.gpu_jobs --budget B --out DIR` with B = --budget (default 540) less the seconds the
 # set-up took, DIR = --out (default $OUT, else gpu_out in the checkout). $PYTHON names the interpreter (python3);
 # $POSE_MLX_GPU_CARRIED the carried call folders' parent (.gpu); $POSE_MLX_GPU_HOST_ROOT where the texts go (/).
 set -euo pipefail
@@ -59,4 +59,4 @@ LEFT=$((BUDGET - SECONDS))
 [ "$LEFT" -gt 0 ] || die "the set-up took $SECONDS s of the $BUDGET s budget"
 echo "gpu_session: set-up took $SECONDS s; running the GPU jobs for $LEFT s into $OUT_DIR"
 cd "$REPO"
-exec "$PYTHON" -m benchmarks.gpu_jobs --budget "$LEFT" --out "$OUT_DIR"
+exec "$PYTHON" -m experiments.gpu_jobs --budget "$LEFT" --out "$OUT_DIR"

@@ -75,7 +75,7 @@ def host_paths() -> list[Path]:
     absolute path a protocol names that exists here (asked of a child run from the checkout)."""
     code = ("import json, pathlib, yaml\n"
             "from benchmarks.common import DOCS\n"
-            "from benchmarks.protocol import PROTOCOLS\n"
+            "from experiments.protocol import PROTOCOLS\n"
             "def walk(x):\n"
             "    if isinstance(x, dict): return [p for v in x.values() for p in walk(v)]\n"
             "    if isinstance(x, list): return [p for v in x for p in walk(v)]\n"

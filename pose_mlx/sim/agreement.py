@@ -8,8 +8,8 @@ methods: (concordant - discordant) / sqrt((pairs - ties in x) (pairs - ties in y
 reverse, None where one side scores every method alike. The goal is tau >= `GOAL` on both.
 
 The real model's numbers are read from its `runs`: a run of the pre-registered protocol (`"stage":
-"confirmation"`, benchmarks/bench_evidence.py) gives its confirmation numbers where it has the measure at the
-target, else its `exploratory` ones; any other run its own (the exploratory stage, benchmarks/bench_real_model.py).
+"confirmation"`, experiments/bench_evidence.py) gives its confirmation numbers where it has the measure at the
+target, else its `exploratory` ones; any other run its own (the exploratory stage, experiments/bench_real_model.py).
 So a run added there, or a confirmation number that arrives, is picked up the next time this is computed.
 
 The factor map (`pose_mlx.sim.map`) is compared one factor at a time: `map_agreement(map, real, f)` takes the

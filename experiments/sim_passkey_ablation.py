@@ -6,7 +6,7 @@ Lt = 2 Lc with the same data, updates and tokens per update, once without positi
 if the first keeps the passkey at Lc and the second loses it, the fine-tuning recipe does not erase retrieval,
 the interpolated positions do.
 
-    python -m benchmarks.sim_passkey_ablation [--sim out/sim] [--only NAME ...]
+    python -m experiments.sim_passkey_ablation [--sim out/sim] [--only NAME ...]
 
 Every PoSE variant is `pose_mlx.finetune --full --sampler pose` as in the grid (32 x 128 tokens per update,
 warm-up a tenth of the updates); the controls use 16 x 256 tokens. Each is followed by `pose_mlx.passkey`; both are

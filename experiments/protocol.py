@@ -1,4 +1,4 @@
-"""The pre-registered evaluation protocol (`benchmarks/protocols/*.yaml`): loading, its schema, and the tests it
+"""The pre-registered evaluation protocols (`benchmarks/protocols/*.yaml`): loading, its schema, and the tests it
 names, computed from a run's passkey trials.
 
 `load_protocol(path)` returns the file as a dict after checking every key the benchmark reads (ValueError naming
@@ -14,9 +14,10 @@ from pathlib import Path
 
 import yaml
 
+from benchmarks.common import ROOT
 from pose_mlx.analysis.stats import difference_interval, power, verdict
 
-PROTOCOLS = Path(__file__).resolve().parent / "protocols"
+PROTOCOLS = ROOT / "benchmarks" / "protocols"  # registered records: kept with the results that cite them by path
 ROLES = ("base", "training-free", "control", "pose")
 
 

@@ -5,7 +5,7 @@ to tell the test's layout from its words, the passkey prompt at Lc with "pass ke
 (NAMES, 20 trials each, greedy): a model that retrieves for every name but "pass key" has learned the lookup but
 not to override what its corpus says follows "key".
 
-    python -m benchmarks.sim_base_gate --layers 6 --hidden 160 --heads 5 --ffn 432 --steps 2500
+    python -m experiments.sim_base_gate --layers 6 --hidden 160 --heads 5 --ffn 432 --steps 2500
 
 Cached in --work (default out/sim-base): the corpus is built once, a pre-training resumes after an interruption.
 Writes benchmarks/results/sim_base/<layers>x<hidden>-<steps>-r<fraction>.json.

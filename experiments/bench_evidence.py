@@ -1,6 +1,6 @@
 """The pre-registered evidence for the real model: runs `benchmarks/protocols/real_model.yaml` as it stands.
 
-    python -m benchmarks.bench_evidence [--stage screen|train|eval|report|all|status] [--only RUN] [--max-length N]
+    python -m experiments.bench_evidence [--stage screen|train|eval|report|all|status] [--only RUN] [--max-length N]
 
 Every run of the protocol is evaluated with the project's own commands and the SmolLM2 GGUF file:
 - trained runs are rebuilt from their committed LoRA adapters (`adapters/<train>/`: `pose_mlx.convert` + the
@@ -15,7 +15,7 @@ Every run of the protocol is evaluated with the project's own commands and the S
   `ppl_unseen`, `ppl`, `ruler`, the devices) on top of its entry in `runs`, the exploratory stage's numbers
   (`bench_real_model`, which keeps them there) under its `exploratory` key; and `protocol/report.md`,
   `protocol/passkey.png`, `protocol/tests.png` (the tests as a forest plot), with the supplement of
-  `benchmarks.evidence_short_documents` (`ppl_supplement`) where it has run; then it brings `sim_agreement` (the
+  `experiments.evidence_short_documents` (`ppl_supplement`) where it has run; then it brings `sim_agreement` (the
   simulator's ranking of the methods against the real model's) up to date in both results.json files and the
   simulator's report;
 - `--stage status` runs nothing: it lists every evaluation as done (with its device), partly done (the records an
@@ -32,15 +32,15 @@ from pathlib import Path
 
 from benchmarks.common import (REAL_MODEL, ROOT, corpus, model_file, passkey_command, perplexity_command,
                                ruler_command, write_results)
-from benchmarks.evidence_runs import (adapters_folder, cell, collect as collect_records, device, ensure_trained,
+from experiments.evidence_runs import (adapters_folder, cell, collect as collect_records, device, ensure_trained,
                                       model_args, plot_passkey, plot_tests, record_state, records, run_all, run_recorded,
                                       shared_arguments, train_name, trials as trials_in, unseen_corpus)
-from benchmarks.protocol import difference_tests, discordant, load_protocol, select_recipe
-from benchmarks.sim_agreement import refresh as refresh_sim_agreement
+from experiments.protocol import difference_tests, discordant, load_protocol, select_recipe
+from experiments.sim_agreement import refresh as refresh_sim_agreement
 
 EVAL = REAL_MODEL / "protocol" / "eval"
 SCREEN = REAL_MODEL / "protocol" / "screen"  # the recipe screening's evaluations (its own seed), never pooled with EVAL
-SUPPLEMENT = REAL_MODEL / "protocol" / "supplement"  # benchmarks.evidence_short_documents: added after the trials
+SUPPLEMENT = REAL_MODEL / "protocol" / "supplement"  # experiments.evidence_short_documents: added after the trials
 
 
 def evaluations(protocol: dict, max_length: int | None) -> list[tuple[str, str, int]]:
@@ -214,7 +214,7 @@ def goal_rows(protocol: dict, runs: dict, name: str) -> list[tuple[str, object, 
 
 def supplement(name: str, protocol: dict) -> dict:
     """{"ppl_supplement": {target: ...}} of a run whose held-out documents too short for the target were scored
-    whole (`benchmarks.evidence_short_documents`): their perplexity and documents, and the perplexity over all
+    whole (`experiments.evidence_short_documents`): their perplexity and documents, and the perplexity over all
     held-out documents, token-weighted with the registered record, exp((n1 ln p1 + n2 ln p2) / (n1 + n2)); {}
     while either record is missing."""
     target = protocol["target"]
@@ -237,7 +237,7 @@ def write_report(protocol: dict, runs: dict, tests: list[dict], head: str) -> Pa
              f"`benchmarks/protocols/real_model.yaml`, {protocol['registered']})", "",
              "Every number below comes from the protocol's own trials (passkey seed "
              f"{protocol['passkey']['seed']}); the exploratory stage (seeds 0 and 1) is in `../report.md` and is "
-             "never pooled with these. `-`: not run yet. Command: `python -m benchmarks.bench_evidence`.", "",
+             "never pooled with these. `-`: not run yet. Command: `python -m experiments.bench_evidence`.", "",
              "## Passkey accuracy (trials; 95% Wilson interval), perplexity, RULER", "",
              "| run | role | " + " | ".join(map(str, lengths)) + " | ppl 2k, unseen domain | ppl 32k | "
              + " | ".join(f"RULER {n // 1024}k" for n in protocol["ruler"]["lengths"]) + " |",
@@ -266,7 +266,7 @@ def write_report(protocol: dict, runs: dict, tests: list[dict], head: str) -> Pa
         lines += ["", "Supplement, added after the trials (not a registered number): the held-out documents too "
                   f"short for {protocol['target']} tokens ({first['short_documents']}; {first['tokens_short']:,} "
                   "tokens in all), each scored whole in one window by the same runs (`python -m "
-                  "benchmarks.evidence_short_documents`), and the perplexity over all the held-out documents, "
+                  "experiments.evidence_short_documents`), and the perplexity over all the held-out documents, "
                   "token-weighted:", "",
                   f"| run | ppl {protocol['target'] // 1024}k, registered | the short document(s), whole | "
                   "all held-out documents |", "|---|---|---|---|"]

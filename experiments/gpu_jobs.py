@@ -1,4 +1,4 @@
-"""The pending GPU jobs in priority order within one time budget: `python -m benchmarks.gpu_jobs --budget S --out DIR`.
+"""The pending GPU jobs in priority order within one time budget: `python -m experiments.gpu_jobs --budget S --out DIR`.
 
 GPU time comes in short slots (about 15 minutes, calls of at most 10), so every GPU job takes a budget, stops
 cleanly before it runs out and keeps what it finished (a fine-tuning its checkpoint, an evaluation its finished
@@ -7,10 +7,10 @@ trials), and the next slot goes on from there. The jobs, most important first:
   1. bench_gpu         `benchmarks.bench_gpu`, alone on the card: plans against peaks, pose_mlx against mlx-lm,
                        the first compiled update, MFU, the test suite (pending until gpu.json says it ran alone
                        and nothing was cut);
-  2. full-length       `benchmarks.evidence_full_length`: both fine-tunings, the Fig. 3c curve, the registered trials;
-  3. 8x                `benchmarks.evidence_8x --stage eval`: the 64k trials (once the prediction is registered and the
+  2. full-length       `experiments.evidence_full_length`: both fine-tunings, the Fig. 3c curve, the registered trials;
+  3. 8x                `experiments.evidence_8x --stage eval`: the 64k trials (once the prediction is registered and the
                        64k PoSE adapters are committed);
-  4. cost              `benchmarks.bench_cost_curve --grad-checkpoint --skip-recorded`: the real model's cost curve
+  4. cost              `experiments.bench_cost_curve --grad-checkpoint --skip-recorded`: the real model's cost curve
                        (PoSE at 1k/2k, full-length at 8k/16k/32k) on the GPU, the configurations not yet recorded.
 
 Each pending, ready job runs as its own process (its own session) with `--budget` = the time left minus a reserve
@@ -115,8 +115,8 @@ def status_pending(module: str, *extra: str) -> str | None:
 
 
 def ready_8x() -> str | None:
-    from benchmarks.evidence_8x import PROTOCOL
-    from benchmarks.protocol import load_protocol
+    from experiments.evidence_8x import PROTOCOL
+    from experiments.protocol import load_protocol
 
     if "prediction" not in load_protocol(PROTOCOL):
         return "the simulator's prediction is not registered yet"
@@ -127,18 +127,18 @@ def ready_8x() -> str | None:
 def default_jobs() -> list[Job]:
     py = [sys.executable, "-m"]
     return [Job("bench_gpu", [*py, "benchmarks.bench_gpu"], gpu_pending),
-            Job("full-length", [*py, "benchmarks.evidence_full_length", "--stage", "all", "--jobs", "3"],
-                lambda: status_pending("benchmarks.evidence_full_length"),
+            Job("full-length", [*py, "experiments.evidence_full_length", "--stage", "all", "--jobs", "3"],
+                lambda: status_pending("experiments.evidence_full_length"),
                 keep=(str(WORK / "trained"), str(WORK / "snapshots"), str(WORK / "logs"))),
-            Job("8x", [*py, "benchmarks.evidence_8x", "--stage", "eval", "--jobs", "3"],
-                lambda: status_pending("benchmarks.evidence_8x"), ready_8x, keep=(str(WORK / "logs"),)),
-            Job("cost", [*py, "benchmarks.bench_cost_curve", "--grad-checkpoint", "--skip-recorded"],
+            Job("8x", [*py, "experiments.evidence_8x", "--stage", "eval", "--jobs", "3"],
+                lambda: status_pending("experiments.evidence_8x"), ready_8x, keep=(str(WORK / "logs"),)),
+            Job("cost", [*py, "experiments.bench_cost_curve", "--grad-checkpoint", "--skip-recorded"],
                 cost_pending)]
 
 
 def cost_pending() -> str | None:
     """Why the cost job is pending (`bench_cost_curve.gpu_pending`, imported when asked, as `ready_8x` does)."""
-    from benchmarks.bench_cost_curve import gpu_pending
+    from experiments.bench_cost_curve import gpu_pending
 
     return gpu_pending()
 
@@ -369,7 +369,7 @@ def _print_pending(title: str, report: dict) -> None:
 
 @command("gpu_jobs")
 def main(argv=None) -> int:
-    p = ArgumentParser(prog="python -m benchmarks.gpu_jobs", description=__doc__,
+    p = ArgumentParser(prog="python -m experiments.gpu_jobs", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--budget", type=float, default=500.0,
                    help="seconds for everything: the jobs, the checks and the packing (default 500)")

@@ -10,7 +10,7 @@ Results: `benchmarks/results/real_model/` (results.json, report.md, plots, and e
 adapter weights of the lr 1e-4 runs are in git history only (commit 6400f95), those of the lr 3e-5 run in
 `real_model_lr3e-5/adapters/`: enough to rebuild a model from the GGUF file with
 `python -m pose_mlx.convert SmolLM2-135M-Instruct.Q4_1.gguf M && cp adapters/pose-yarn/* M/`). The short-context
-regression's question set runs separately (`benchmarks/short_qa.py`); the report collects it.
+regression's question set runs separately (`experiments/short_qa.py`); the report collects it.
 
 Runs (original window 8192, target 32768, s = 4):
   training-free: `none` (the base model), `linear`, `ntk`, `yarn`, `dynamic` (evaluated with --schedule/--target);
@@ -362,7 +362,7 @@ def report(results: dict, out_dir: Path) -> Path:
     runs = results["runs"]
     lines = ["# SmolLM2-135M-Instruct, 8k -> 32k: PoSE against training-free scaling", "",
              f"Model: `{results['model']}` (original window {ORIGINAL}, target {TARGET}). Command: "
-             "`python -m benchmarks.bench_real_model` (see its docstring).", "",
+             "`python -m experiments.bench_real_model` (see its docstring).", "",
              "This is the exploratory stage (10-16 trials per length, PoSE's rivals not fine-tuned). The "
              "pre-registered confirmation stage, with fairly adapted controls and 24-30 trials per length, is "
              "[protocol/report.md](protocol/report.md) ([why](../../../docs/evidence.md)).", ""]
@@ -410,7 +410,7 @@ def report(results: dict, out_dir: Path) -> Path:
                   "Does the extension change the model inside a short context? Perplexity at 2k (as above) and "
                   f"{next(iter(short.values()))['short_qa']['questions']} one-line factual questions asked alone in "
                   "the chat template, greedy, correct when the answer contains the reference "
-                  "(`benchmarks/short_qa.py`).", "",
+                  "(`experiments/short_qa.py`).", "",
                   "| run | trained | perplexity at 2k | questions correct: accuracy (questions; 95% interval) |", "|---|---|---|---|"]
         for name, r in short.items():
             qa, ppl2 = r["short_qa"], r.get("ppl", {}).get("2048")
@@ -432,7 +432,7 @@ def report(results: dict, out_dir: Path) -> Path:
         lines.append("")
     for ablation in sorted(out_dir.glob("ablation_yarn_*.json")):
         data = json.loads(ablation.read_text())
-        lines += [f"## Why YaRN loses the passkey at {data['length']} tokens (`benchmarks/ablate_yarn_short.py`)", "",
+        lines += [f"## Why YaRN loses the passkey at {data['length']} tokens (`experiments/ablate_yarn_short.py`)", "",
                   "YaRN interpolates the low frequencies and raises every attention logit by 1/t = (0.1 ln s + 1)^2; "
                   "the variants take the two apart (same keys and depths as above).", "",
                   "| variant | attention factor | accuracy (trials, 95% interval) |", "|---|---|---|"]

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchmarks.common import DOCS, REAL_MODEL, ROOT, finetune_command, resume_command, run_logged
-from benchmarks.protocol import PROTOCOLS
+from experiments.protocol import PROTOCOLS
 from pose_mlx.analysis.stats import wilson
 from pose_mlx.resumable import read_partial
 
@@ -180,7 +180,7 @@ def addendum_arguments(description: str, protocol: Path, stages: tuple[str, ...]
 
 def addendum_settings(p: argparse.ArgumentParser, argv=None) -> tuple:
     """Parse `p` (`addendum_arguments`): (args, the protocol, the runs named by --only or all of them)."""
-    from benchmarks.protocol import load_protocol
+    from experiments.protocol import load_protocol
 
     args = p.parse_args(argv)
     protocol = load_protocol(args.protocol)

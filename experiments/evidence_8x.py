@@ -1,9 +1,9 @@
 """The 8x addendum (`benchmarks/protocols/real_model_8x.yaml`): SmolLM2-135M-Instruct, 8k -> 64k.
 
-    python -m benchmarks.evidence_8x [--stage train|eval|report|all|status] [--only RUN] [--max-length N]
+    python -m experiments.evidence_8x [--stage train|eval|report|all|status] [--only RUN] [--max-length N]
                                      [--jobs N] [--budget SECONDS]
 
-Runs what the addendum registers with the project's own commands (`benchmarks.evidence_runs`): the one new
+Runs what the addendum registers with the project's own commands (`experiments.evidence_runs`): the one new
 fine-tuning (`pose-yarn-64k`, the 4x headline's recipe with target 65,536) and the committed plain fine-tuning
 of real_model-v1 (`adapt`, scaled 8x at load); evaluations cheapest first (unseen-domain perplexity at 2k,
 passkey at 16k, 32k, 64k, perplexity at 64k on CPython's NEWS, RULER at 64k), each a record in
@@ -21,13 +21,13 @@ import json
 import sys
 from pathlib import Path
 
-from benchmarks.bench_evidence import EVAL as EVAL_4X
+from experiments.bench_evidence import EVAL as EVAL_4X
 from benchmarks.common import (REAL_MODEL, OutOfTime, corpus, model_file, passkey_command, perplexity_command,
                                ruler_command, set_budget, write_results)
-from benchmarks.evidence_runs import (addendum_arguments, addendum_settings, cell, collect, device, ensure_trained,
+from experiments.evidence_runs import (addendum_arguments, addendum_settings, cell, collect, device, ensure_trained,
                                       model_args, plot_passkey, plot_tests, record_state, records, run_all,
                                       run_recorded, trials, unseen_corpus)
-from benchmarks.protocol import PROTOCOLS, difference_tests, discordant
+from experiments.protocol import PROTOCOLS, difference_tests, discordant
 
 PROTOCOL = PROTOCOLS / "real_model_8x.yaml"
 OUT = REAL_MODEL / "protocol_8x"
@@ -173,7 +173,7 @@ def write_report(protocol: dict, block: dict) -> Path:
              f"{protocol['registered']})", "",
              "Passkey accuracy (trials; 95% Wilson interval), perplexity (2k: unseen domain; 64k: CPython's NEWS, "
              f"{protocol['perplexity']['target']['windows']} windows), RULER at 64k. `-`: not run yet. Command: "
-             "`python -m benchmarks.evidence_8x`.", "",
+             "`python -m experiments.evidence_8x`.", "",
              "| run | role | " + " | ".join(f"passkey {n // 1024}k" for n in lengths) + " | ppl 2k | ppl 64k | RULER 64k |",
              "|---|---|" + "---|" * (len(lengths) + 3)]
     for name, r in runs.items():

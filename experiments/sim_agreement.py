@@ -1,6 +1,6 @@
 """Bring the simulator's agreement with the real model up to date from the committed numbers.
 
-`python -m benchmarks.sim_agreement` recomputes `sim_agreement` (`pose_mlx.sim.agreement`: Kendall's tau-b between
+`python -m experiments.sim_agreement` recomputes `sim_agreement` (`pose_mlx.sim.agreement`: Kendall's tau-b between
 the simulator's and the real model's rankings of the methods on perplexity and passkey at each one's target) from
 benchmarks/results/sim/results.json and benchmarks/results/real_model/results.json (its `runs` and
 `protocol_runs`), and writes it into both files (the real model's under `sim_agreement.grid`, with the taus without
@@ -50,7 +50,7 @@ def replace_section(report: str, section: list[str]) -> str:
 
 
 #: In the real model's results.json, `sim_agreement` holds this record under "grid" beside the factor map's agreement
-#: at each factor ("4x", "8x": benchmarks.evidence_summary).
+#: at each factor ("4x", "8x": experiments.evidence_summary).
 GRID_NOTE = "the simulator's grid at its 8x (Lt = 1024) against the real model at 4x (8k -> 32k)"
 
 #: The methods left out in the agreement's ablations: where the two rankings part (docs/simulator.md).

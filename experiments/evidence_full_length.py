@@ -1,6 +1,6 @@
 """Addendum A (`benchmarks/protocols/real_model_full_length.yaml`): PoSE against full-length fine-tuning at 32k.
 
-    python -m benchmarks.evidence_full_length [--stage data|train|eval|curve|report|all|status] [--only RUN]
+    python -m experiments.evidence_full_length [--stage data|train|eval|curve|report|all|status] [--only RUN]
                                               [--max-length N] [--jobs N] [--budget SECONDS]
 
 `data` builds the joined documents both runs train on (`joined_corpus`: the headline's training split, each
@@ -26,10 +26,10 @@ from pathlib import Path
 
 from benchmarks.common import (REAL_MODEL, OutOfTime, corpus, log_peak_bytes, log_updates, model_file,
                                passkey_command, perplexity_command, ruler_command, set_budget, write_results)
-from benchmarks.evidence_runs import (addendum_arguments, addendum_settings, collect, device, ensure_trained,
+from experiments.evidence_runs import (addendum_arguments, addendum_settings, collect, device, ensure_trained,
                                       model_args, plot_passkey, plot_tests, record_state, records, run_all,
                                       run_recorded, trials, unseen_corpus)
-from benchmarks.protocol import PROTOCOLS, difference_tests, discordant
+from experiments.protocol import PROTOCOLS, difference_tests, discordant
 
 PROTOCOL = PROTOCOLS / "real_model_full_length.yaml"
 OUT = REAL_MODEL / "protocol_full"
@@ -325,7 +325,7 @@ def write_report(protocol: dict, runs: dict, block: dict) -> Path:
     key = str(protocol["target"])
     lines = [f"# `{protocol['name']}`: PoSE against full-length fine-tuning (pre-registered: "
              f"`benchmarks/protocols/real_model_full_length.yaml`, {protocol['registered']})", "",
-             "`-`: not run yet. Command: `python -m benchmarks.evidence_full_length`.", "",
+             "`-`: not run yet. Command: `python -m experiments.evidence_full_length`.", "",
              "| run | " + " | ".join(f"passkey {n // 1024}k" for n in lengths) + " | ppl 2k unseen | ppl 32k | "
              "updates | tokens seen | s / update | peak memory |", "|---|" + "---|" * (len(lengths) + 6)]
     for name, r in runs.items():

@@ -5,7 +5,7 @@ Lc / 2 queries of an 8 Lc window goes, `far_attention`) and Original's sliding-w
 (`pose_mlx.perplexity`, the grid's stride and documents), whose largest ratio to the perplexity at Lc is claim
 (a)'s measure (it needs >= 10x, or above the unigram perplexity).
 
-    python -m benchmarks.sim_base_probe --sim out/sim-v2            # the latest checkpoint (or the finished base)
+    python -m experiments.sim_base_probe --sim out/sim-v2            # the latest checkpoint (or the finished base)
 
 Each probe is added to benchmarks/results/sim_base/probe-<name of --sim>.json under its step, so probes taken
 while a pre-training runs (it keeps only its latest checkpoint) build one curve.

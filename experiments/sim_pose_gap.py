@@ -11,7 +11,7 @@ on the first Lt tokens of the same test documents: where the last Lc / 2 queries
 distances >= Lc, unseen in PoSE's training windows too, and the largest logit there minus the largest at seen
 distances). The base is scored the same way for reference.
 
-    python -m benchmarks.sim_pose_gap [--sim out/sim] [--output benchmarks/results/sim_pose_gap.json]
+    python -m experiments.sim_pose_gap [--sim out/sim] [--output benchmarks/results/sim_pose_gap.json]
 
 Runs and evaluations are cached under <sim>/ablation/; writes benchmarks/results/sim_pose_gap.json.
 """

@@ -1,6 +1,6 @@
 """A supplement to the evidence protocol, added after its trials: the held-out documents too short for its target.
 
-    python -m benchmarks.evidence_short_documents [--jobs N] [--work DIR]
+    python -m experiments.evidence_short_documents [--jobs N] [--work DIR]
 
 The protocol registers the target-length perplexity over its held-out documents, but a document with fewer tokens
 than the target window holds is not scored there (`pose_mlx.perplexity --min-doc-tokens`), so the registered column
@@ -18,10 +18,10 @@ import json
 import shutil
 from pathlib import Path
 
-from benchmarks.bench_evidence import (EVAL, SUPPLEMENT, device, ensure_trained, model_args, run_all, run_recorded,
+from experiments.bench_evidence import (EVAL, SUPPLEMENT, device, ensure_trained, model_args, run_all, run_recorded,
                                        shared_arguments, with_winner)
 from benchmarks.common import corpus, model_file
-from benchmarks.protocol import load_protocol
+from experiments.protocol import load_protocol
 
 
 def short_documents(protocol: dict, test: Path) -> list[Path]:

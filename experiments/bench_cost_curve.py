@@ -1,7 +1,7 @@
 """The cost curve on the real model (the PoSE paper's Fig. 3a/b): full-length against PoSE fine-tuning of
 SmolLM2-135M, as addendum A registers it (benchmarks/protocols/real_model_full_length.yaml, `cost`).
 
-    python -m benchmarks.bench_cost_curve [--configs full:8192,pose:1024,...] [--steps 3] [--grad-checkpoint]
+    python -m experiments.bench_cost_curve [--configs full:8192,pose:1024,...] [--steps 3] [--grad-checkpoint]
                                           [--budget SECONDS] [--plot-only]
 
 Each configuration is a real `python -m pose_mlx.finetune` run of the GGUF model with the headline's LoRA (rank 16,
@@ -11,7 +11,7 @@ original window is set to W / 2 for W <= 8k, since the cost of an update does no
 learns), PoSE at a window of W (target 32k). Its log gives the peak memory (MLX's peak, the maximum over the
 updates) and the seconds of each update after the first (median); `python -m pose_mlx.plan --json` with the same
 flags gives the prediction. A configuration the planner says does not fit in this machine's memory is recorded as
-such, not run; `--skip-recorded` leaves out what this device's file already records (how `benchmarks.gpu_jobs` runs
+such, not run; `--skip-recorded` leaves out what this device's file already records (how `experiments.gpu_jobs` runs
 it, with checkpointing, slot after slot). When `--budget` runs out during a configuration that has logged two or
 more updates, those are its record (marked `stopped_early`) and the later configurations wait for the next run.
 Records go to `results/real_model/cost/<device>.json` (one file per device, records of earlier runs on that device
@@ -32,8 +32,8 @@ from pathlib import Path
 
 from benchmarks.common import (DOCS, REAL_MODEL, OutOfTime, child_env, log_peak_bytes, log_updates, model_file,
                                run_logged, set_budget, write_results)
-from benchmarks.evidence_full_length import joined_corpus
-from benchmarks.evidence_runs import device
+from experiments.evidence_full_length import joined_corpus
+from experiments.evidence_runs import device
 
 COST = REAL_MODEL / "cost"
 DEFAULT_CONFIGS = "pose:1024,pose:2048,full:8192,full:16384,full:32768"

@@ -6,8 +6,8 @@ question is asked alone in the model's chat template; an answer is correct when 
 reference strings (case-insensitive). The questions are written for this benchmark, with short unambiguous
 answers a 135M instruct model knows at least in part.
 
-  python -m benchmarks.short_qa                      # every run of bench_real_model (PoSE runs once trained)
-  python -m benchmarks.short_qa --only none --only yarn
+  python -m experiments.short_qa                      # every run of bench_real_model (PoSE runs once trained)
+  python -m experiments.short_qa --only none --only yarn
 
 Writes benchmarks/results/real_model/eval/<run>.short_qa.json (under --results: another folder of
 bench_real_model): "accuracy", "correct", "questions", "answers" and `common.write_results`' record of the date,
