@@ -200,12 +200,20 @@ def time_left() -> float | None:
     return _deadline[0] - time.monotonic() if _deadline else None
 
 
-def run_logged(cmd: list[str], log: Path, grace: float = 60.0) -> float:
+def out_of_time() -> bool:
+    """Whether a budget is set and spent."""
+    left = time_left()
+    return left is not None and left <= 0
+
+
+def run_logged(cmd: list[str], log: Path, grace: float = 60.0, reserve: float = 0.0) -> float:
     """Run a project command (`python -m <cmd>`, its output to `log`); returns the wall time. Under a budget
-    (`set_budget`) the command gets SIGTERM when it runs out (the project's commands then save what they finished:
-    a checkpoint, a partial record), SIGKILL `grace` seconds later, and `OutOfTime` is raised."""
+    (`set_budget`) the command gets SIGTERM `reserve` seconds before it runs out (the project's commands then save
+    what they finished: a checkpoint, a partial record), SIGKILL `grace` seconds later, and `OutOfTime` is
+    raised."""
     log.parent.mkdir(parents=True, exist_ok=True)
     left = time_left()
+    left = None if left is None else left - reserve
     if left is not None and left <= 0:
         raise OutOfTime(f"{' '.join(cmd[:1])}: no time left in the budget")
     t0 = time.perf_counter()

@@ -1,39 +1,46 @@
-"""Addendum A (`benchmarks/protocols/real_model_full_length.yaml`): PoSE against full-length fine-tuning at 32k.
+"""Addendum A (`benchmarks/protocols/real_model_full_length.yaml`, with its amendment 1): PoSE against full-length
+fine-tuning at 32k.
 
-    python -m experiments.evidence_full_length [--stage data|train|eval|curve|report|all|status] [--only RUN]
-                                              [--max-length N] [--jobs N] [--budget SECONDS]
+    python -m experiments.evidence_full_length [--stage data|train|claim|curve|eval|report|all|status]
+                                               [--only RUN] [--max-length N] [--jobs N] [--budget SECONDS]
 
 `data` builds the joined documents both runs train on (`joined_corpus`: the headline's training split, each
 top-level folder's files in path order joined with the tokenizer's end-of-sequence token and cut at document
-boundaries into pieces of at least 32,768 tokens); `train` fine-tunes PoSE + YaRN and full-length + YaRN on
-them with the headline's settings (a GPU's work: one 32k update takes hours on two CPU cores), keeping a copy of
-the LoRA weights every `curve_every` updates (`Snapshots`); `eval` runs real_model-v1's trials on both; `curve`
-scores the 32k perplexity of every kept copy (the paper's Fig. 3c); `report` writes `runs["full-yarn"]`,
-`runs["pose-yarn-joined"]` and `full_length` into `results/real_model/results.json`, and
-`protocol_full/report.md`, `passkey.png`, `tests.png`, `curve.png`. Every evaluation is a record in
-`protocol_full/eval/` (the curve's in `protocol_full/curve/`) naming its device, resumable; `--budget` stops the
-running command (a fine-tuning keeps its checkpoint, an evaluation its finished trials) when the time is spent.
+boundaries into pieces of at least 32,768 tokens); `train` fine-tunes PoSE + YaRN and full-length + YaRN on them
+with the headline's settings (a GPU's work: one 32k update takes hours on two CPU cores), each point of the 32k
+perplexity curve (the paper's Fig. 3c, `experiments.curve`) scored beside it, in `--jobs` lanes, as soon as its
+copy of the LoRA weights is saved; `claim` does the same and then, in the same lanes, the evaluations that decide
+claim (b) for each run as soon as it is trained (`claim_evaluations`: the 32k perplexity, the passkey at 16k and
+32k at the amended counts); `curve` scores copies kept from an earlier run; `eval` runs every registered
+evaluation of the trained runs; `report` writes `runs["full-yarn"]`, `runs["pose-yarn-joined"]` and
+`full_length` (the registered test and goals, the amendment's equivalence test and claim (b)) into
+`results/real_model/results.json`, and `protocol_full/report.md`, `passkey.png`, `tests.png`, `curve.png`. Every
+evaluation is a record in `protocol_full/eval/` (the curve's in `protocol_full/curve/`) naming its device,
+resumable; `--budget` stops the running commands (a fine-tuning keeps its checkpoint, `CURVE_RESERVE` s early so
+that its last copies are scored; an evaluation its finished trials) when the time is spent, exit code 3.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
-import subprocess
 import sys
 import threading
 from pathlib import Path
+from queue import PriorityQueue
 
-from benchmarks.common import (REAL_MODEL, OutOfTime, corpus, log_peak_bytes, log_updates, model_file,
+from benchmarks.common import (REAL_MODEL, OutOfTime, corpus, log_peak_bytes, log_updates, model_file, out_of_time,
                                passkey_command, perplexity_command, ruler_command, set_budget, write_results)
 from experiments.evidence_runs import (addendum_arguments, addendum_settings, collect, device, ensure_trained,
                                       model_args, plot_passkey, plot_tests, record_state, records, run_all,
                                       run_recorded, trials, unseen_corpus)
-from experiments.protocol import PROTOCOLS, difference_tests, discordant
+from experiments.curve import CURVE, Snapshots, curve, curve_point, curve_steps, lost, plot_curve
+from experiments.protocol import PROTOCOLS, difference_tests, discordant, equivalence_tests
 
 PROTOCOL = PROTOCOLS / "real_model_full_length.yaml"
 OUT = REAL_MODEL / "protocol_full"
-EVAL, CURVE = OUT / "eval", OUT / "curve"
+EVAL = OUT / "eval"
 
 
 # ------------------------------------------------------------------------------------------ the joined documents
@@ -121,49 +128,22 @@ def data_summary(folder: Path) -> dict:
     return summary
 
 
-# ------------------------------------------------------------------------------------------ training, with snapshots
+# ------------------------------------------------------------------------------------------ training, with the curve
+
+#: Seconds a fine-tuning stops before the budget's end, so that the points of the copies it kept are scored.
+CURVE_RESERVE = 60.0
 
 
-class Snapshots(threading.Thread):
-    """Copies the trainable weights of every checkpoint whose step is a multiple of `every` from a fine-tuning's
-    checkpoint folder (`<out>.partial/checkpoint/weights-<step>.safetensors`, complete once `state.json` names
-    it; a checkpoint's files are kept until two later ones exist) into `dest/weights-<step>.safetensors`."""
-
-    def __init__(self, checkpoint: Path, dest: Path, every: int, poll: float = 0.5):
-        super().__init__(daemon=True)
-        self.checkpoint, self.dest, self.every, self.poll = checkpoint, dest, every, poll
-        self.done = threading.Event()
-
-    def sweep(self) -> None:
-        for state in (self.checkpoint / "state.json", self.checkpoint / "previous.json"):
-            try:
-                record = json.loads(state.read_text())
-            except (OSError, ValueError):
-                continue
-            step, name = record["step"], record["files"]["weights"]
-            target = self.dest / f"weights-{step}.safetensors"
-            if step % self.every == 0 and not target.is_file():
-                self.dest.mkdir(parents=True, exist_ok=True)
-                try:
-                    shutil.copyfile(self.checkpoint / name, target.with_suffix(".tmp"))
-                    target.with_suffix(".tmp").rename(target)
-                except FileNotFoundError:  # replaced between reading state.json and copying: gone for good
-                    pass
-
-    def run(self) -> None:
-        while not self.done.wait(self.poll):
-            self.sweep()
-        self.sweep()
-
-
-def train(name: str, protocol: dict, gguf: Path, work: Path, data: Path) -> Path:
-    """One run's fine-tuning (`ensure_trained`), its checkpoints' weights kept every `curve_every` updates, and its
-    training log kept in protocol_full/train/ (seconds, peak memory and tokens of every update)."""
+def train(name: str, protocol: dict, gguf: Path, work: Path, data: Path, on_saved=None) -> Path:
+    """One run's fine-tuning (`ensure_trained`, stopped `CURVE_RESERVE` s before the budget's end), its
+    checkpoints' weights kept every `curve_every` updates and handed to `on_saved(step)` (`curve.Snapshots`), and
+    its training log kept in protocol_full/train/ (seconds, peak memory and tokens of every update)."""
     every = protocol["perplexity"]["curve_every"]
-    watcher = Snapshots(work / "trained" / f"{name}.partial" / "checkpoint", work / "snapshots" / name, every)
+    watcher = Snapshots(work / "trained" / f"{name}.partial" / "checkpoint", work / "snapshots" / name, every,
+                        on_saved)
     watcher.start()
     try:
-        folder = ensure_trained(name, protocol["runs"][name], protocol, gguf, work, data)
+        folder = ensure_trained(name, protocol["runs"][name], protocol, gguf, work, data, reserve=CURVE_RESERVE)
     finally:
         watcher.done.set()
         watcher.join()
@@ -174,7 +154,78 @@ def train(name: str, protocol: dict, gguf: Path, work: Path, data: Path) -> Path
     return folder
 
 
-# ------------------------------------------------------------------------------------------ evaluations and the curve
+def trained(name: str) -> bool:
+    return (REAL_MODEL / "protocol" / "adapters" / name).is_dir()
+
+
+def claim(names: list[str], protocol: dict, gguf: Path, work: Path, data: Path | None, test: Path, jobs: int,
+          evaluations: bool = True) -> list[tuple]:
+    """What decides claim (b), in one pool of `jobs` lanes beside the training lane: each run fine-tuned in turn
+    (when its adapters are not committed and `data` is given), each point of its curve scored as its copy is
+    saved (first in line), then, with `evaluations`, its claim evaluations (`claim_evaluations`) once it is
+    trained. The failed tasks."""
+    lanes = Lanes(jobs)
+    failed = []
+    for name in names:
+        if not trained(name) and data is not None:
+            try:
+                train(name, protocol, gguf, work, data,
+                      lambda step, name=name: lanes.put(0, (name, step), curve_point, name, step, protocol, gguf,
+                                                        work, test))
+            except BaseException as e:  # noqa: BLE001 - the other run and the lanes go on (a budget stop too)
+                print(f"{name}: FAILED: {e}", flush=True)
+                failed.append((name,))
+                continue
+        if not (evaluations and trained(name)):
+            continue
+        ensure_trained(name, protocol["runs"][name], protocol, gguf, work, data)  # committed: only rebuilt
+        for task in claim_evaluations(protocol, [name]):
+            lanes.put(1, task, evaluate, *task, protocol, gguf, work, test)
+    return failed + lanes.finish()
+
+
+class Lanes:
+    """`jobs` worker threads taking tasks by priority (lower first, then in the order put); `finish` waits for
+    them all and returns the labels of those that failed (each printed, as `evidence_runs.run_all` does)."""
+
+    def __init__(self, jobs: int):
+        self.queue, self.count, self.failed = PriorityQueue(), itertools.count(), []
+        self.threads = [threading.Thread(target=self._work, daemon=True) for _ in range(max(1, jobs))]
+        for thread in self.threads:
+            thread.start()
+
+    def put(self, priority: int, label: tuple, fn, *args) -> None:
+        self.queue.put((priority, next(self.count), label, fn, args))
+
+    def _work(self) -> None:
+        while True:
+            _, _, label, fn, args = self.queue.get()
+            if fn is None:
+                return
+            name = " ".join(map(str, label))
+            try:
+                print(f"{name}: {fn(*args)}", flush=True)
+            except BaseException as e:  # noqa: BLE001 - a failed task (its SystemExit) must not stop the rest
+                print(f"{name}: FAILED: {e}", flush=True)
+                self.failed.append(label)
+
+    def finish(self) -> list[tuple]:
+        for _ in self.threads:
+            self.queue.put((9, next(self.count), (), None, ()))
+        for thread in self.threads:
+            thread.join()
+        return self.failed
+
+
+# ------------------------------------------------------------------------------------------ the evaluations
+
+
+def claim_evaluations(protocol: dict, names: list[str]) -> list[tuple[str, str, int]]:
+    """(run, kind, length) of what decides claim (b) for `names`: the target perplexity, then the passkey at each
+    length of the equivalence test (its amended trial counts), shortest first."""
+    lengths = protocol.get("equivalence", protocol["test"])["lengths"]
+    return [(n, "ppl", protocol["target"]) for n in names] + [
+        (n, "passkey", length) for length in sorted(lengths) for n in names]
 
 
 def evaluations(protocol: dict, max_length: int | None = None) -> list[tuple[str, str, int]]:
@@ -207,48 +258,6 @@ def evaluate(name: str, kind: str, length: int, protocol: dict, gguf: Path, work
     return run_recorded(cmd, path, work / "logs" / f"protocol_full.{name}.{kind}.{length}.log")
 
 
-def curve_steps(protocol: dict) -> list[int]:
-    """The updates after which the curve is scored: every `curve_every` up to the last (which is the run's own
-    registered 32k perplexity)."""
-    every, steps = protocol["perplexity"]["curve_every"], protocol["training"]["steps"]
-    return list(range(every, steps, every))
-
-
-def snapshot_model(final: Path, weights: Path, dest: Path) -> Path:
-    """A model folder of `final` (a rebuilt run) whose LoRA weights are the kept checkpoint `weights`: the other
-    files linked, the adapters written as `final`'s names and dtype."""
-    if (dest / "adapters.safetensors").is_file():
-        return dest
-    partial = dest.with_name(dest.name + ".tmp")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    for f in final.iterdir():
-        if f.name != "adapters.safetensors":
-            (partial / f.name).symlink_to(f.resolve())
-    code = ("import sys, pose_mlx, mlx.core as mx; final = mx.load(sys.argv[1]); kept = mx.load(sys.argv[2]); "
-            "mx.save_safetensors(sys.argv[3], {k: kept[k].astype(v.dtype) for k, v in final.items()})")
-    subprocess.run([sys.executable, "-c", code, str(final / "adapters.safetensors"), str(weights),
-                    str(partial / "adapters.safetensors")], check=True)
-    partial.rename(dest)
-    return dest
-
-
-def curve_point(name: str, step: int, protocol: dict, gguf: Path, work: Path, test: Path) -> Path:
-    """The 32k perplexity of run `name` after `step` updates, from its kept checkpoint."""
-    length = protocol["target"]
-    path = CURVE / f"{name}@{step}.ppl.{length}.json"
-    if path.is_file():
-        return path
-    weights = work / "snapshots" / name / f"weights-{step}.safetensors"
-    if not weights.is_file():
-        raise SystemExit(f"{weights} is missing: the curve is scored on the machine that trained {name}")
-    final = Path(model_args(name, protocol["runs"][name], protocol, gguf, work)[1])
-    folder = snapshot_model(final, weights, work / "curve" / f"{name}@{step}")
-    cmd = perplexity_command(["--model", str(folder)], test, length, length,
-                             protocol["perplexity"]["target"]["documents"], length - 1)
-    return run_recorded(cmd, path, work / "logs" / f"protocol_full.curve.{name}@{step}.log")
-
-
 # ------------------------------------------------------------------------------------------ the report
 
 
@@ -264,21 +273,19 @@ def training_record(name: str) -> dict | None:
             "peak_bytes": log_peak_bytes(steps)}
 
 
-def curve(protocol: dict, runs: dict) -> dict:
-    """{run: {step: 32k perplexity}} from the curve's records and, at the last step, the registered record."""
-    length, last = str(protocol["target"]), protocol["training"]["steps"]
-    out = {}
-    for name in protocol["runs"]:
-        points = {}
-        for step in curve_steps(protocol):
-            path = CURVE / f"{name}@{step}.ppl.{length}.json"
-            if path.is_file():
-                points[step] = json.loads(path.read_text())["results"][0]["ppl"]
-        final = runs.get(name, {}).get("ppl", {}).get(length)
-        if final is not None:
-            points[last] = final
-        out[name] = points
-    return out
+def claim_b(protocol: dict, equivalence: list[dict]) -> dict | None:
+    """Claim (b) under the amendment's equivalence test: held when PoSE is equivalent to Full on every registered
+    measure (passkey at each length, the target perplexity), None while one is unmeasured; None without an
+    equivalence test."""
+    spec = protocol.get("equivalence")
+    if not spec:
+        return None
+    wanted = [("passkey", n) for n in spec["lengths"]] + [("perplexity", spec["perplexity"]["length"])]
+    said = {(t["measure"], t["length"]): t["verdict"] for t in equivalence}
+    values = {f"{m} {n}": said.get((m, n)) for m, n in wanted}
+    held = None if None in values.values() else all(v == "equivalent" for v in values.values())
+    return {"claim": "PoSE matches full-length fine-tuning (equivalent within the margins of "
+                     f"{', '.join(protocol['amendments'])})", "value": values, "held": held}
 
 
 def goals(protocol: dict, runs: dict, tests: list[dict], cost: dict) -> list[dict]:
@@ -307,8 +314,10 @@ def report(protocol: dict) -> dict:
         if a is not None and b is not None and len(a) == len(b):
             t["discordant"] = dict(zip(("pose_only", "control_only"), discordant(a, b)))
     cost = {n: training_record(n) for n in protocol["runs"]}
-    block = {"protocol": str(PROTOCOL.relative_to(REAL_MODEL.parents[2])), "tests": tests,
-             "curve": curve(protocol, runs), "training": cost,
+    equivalence = equivalence_tests(protocol, runs)
+    block = {"protocol": str(PROTOCOL.relative_to(REAL_MODEL.parents[2])),
+             "amendments": protocol.get("amendments", []), "tests": tests, "equivalence": equivalence,
+             "claim_b": claim_b(protocol, equivalence), "curve": curve(protocol, runs), "training": cost,
              "goals": goals(protocol, runs, tests, {n: c for n, c in cost.items() if c})}
     path = REAL_MODEL / "results.json"
     results = json.loads(path.read_text())
@@ -336,9 +345,11 @@ def write_report(protocol: dict, runs: dict, block: dict) -> Path:
         nums += [str(t.get("updates", "-")), f"{t['tokens']:,}" if t else "-",
                  f"{t['seconds_per_update']:.2f}" if t else "-", f"{t['peak_bytes'] / 1e9:.2f} GB" if t else "-"]
         lines.append(f"| {name} | " + " | ".join(pk + nums) + " |")
-    lines += ["", "| length | PoSE minus Full | 95% interval | verdict |", "|---|---|---|---|"]
+    lines += ["", "The registered test (PoSE minus Full, passkey accuracy):", "",
+              "| length | PoSE minus Full | 95% interval | verdict |", "|---|---|---|---|"]
     lines += [f"| {t['length']} | {t['difference']:+.2f} | {t['ci95'][0]:+.2f} .. {t['ci95'][1]:+.2f} | {t['verdict']} |"
               for t in block["tests"]] or ["| - | - | - | not run yet |"]
+    lines += equivalence_lines(block)
     lines += ["", "| goal | value | held |", "|---|---|---|"]
     for g in block["goals"]:
         value = g["value"] if not isinstance(g["value"], float) else f"{g['value']:.3f}"
@@ -353,72 +364,79 @@ def write_report(protocol: dict, runs: dict, block: dict) -> Path:
     return OUT / "report.md"
 
 
-def plot_curve(points: dict, path: Path) -> None:
-    """Held-out 32k perplexity by update, one line per run (nothing drawn before any point exists)."""
-    if not any(points.values()):
-        return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 3.8))
-    for name, by_step in points.items():
-        steps = sorted(by_step)
-        ax.plot(steps, [by_step[s] for s in steps], marker="o", label=name)
-    ax.set_xlabel("updates")
-    ax.set_ylabel("perplexity at 32k (held-out documents)")
-    ax.set_title("PoSE vs full-length fine-tuning during training")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def equivalence_lines(block: dict) -> list[str]:
+    """The report's table of the amendment's equivalence test and claim (b)'s verdict (nothing without one)."""
+    c = block["claim_b"]
+    if c is None:
+        return []
+    lines = ["", f"Claim (b) by the equivalence test of {', '.join(block['amendments'])} (two one-sided tests: passkey, "
+             "Newcombe's 90% interval inside the margin; perplexity, the ratio inside 1 +- the margin):", "",
+             "| measure | length | PoSE against Full | margin | verdict |", "|---|---|---|---|---|"]
+    for t in block["equivalence"]:
+        value = (f"{t['difference']:+.3f} ({t['ci90'][0]:+.3f} .. {t['ci90'][1]:+.3f})" if t["measure"] == "passkey"
+                 else f"{t['ppl'][0]:.2f} / {t['ppl'][1]:.2f} = {t['ratio']:.3f}")
+        lines.append(f"| {t['measure']} | {t['length']} | {value} | {t['margin']} | {t['verdict']} |")
+    if not block["equivalence"]:
+        lines.append("| - | - | - | - | not run yet |")
+    held = {True: "**holds**", False: "**does not hold**", None: "not decided yet"}[c["held"]]
+    return lines + ["", f"Claim (b): {held}."]
 
 
 # ------------------------------------------------------------------------------------------ the command
 
 
-def status(protocol: dict, names: list[str], max_length: int | None) -> list[str]:
-    """One line per fine-tuning, registered evaluation and curve point: done, partly done or waiting."""
-    lines = [f"{n} fine-tuning: {'adapters committed' if (REAL_MODEL / 'protocol' / 'adapters' / n).is_dir() else 'waiting'}"
-             for n in names]
+def status(protocol: dict, names: list[str], max_length: int | None, work: Path) -> list[str]:
+    """One line per fine-tuning, registered evaluation and curve point: done, partly done, waiting, or (a point)
+    lost: its fine-tuning is over and its copy went unscored."""
+    lines = [f"{n} fine-tuning: {'adapters committed' if trained(n) else 'waiting'}" for n in names]
     lines += [f"{n} {k} {length}: {record_state(EVAL / f'{n}.{k}.{length}.json', records(n, k, length, protocol))}"
               for n, k, length in evaluations(protocol, max_length) if n in names]
     target = protocol["target"]
-    lines += [f"{n} curve @{s}: {record_state(CURVE / f'{n}@{s}.ppl.{target}.json', None)}"
-              for n in names for s in curve_steps(protocol)]
+    for n in names:
+        gone = lost(protocol, n, work, trained(n))
+        lines += [f"{n} curve @{s}: " + ("done (lost: its copy was not scored where it was kept)" if s in gone else
+                                         record_state(CURVE / f"{n}@{s}.ppl.{target}.json", None))
+                  for s in curve_steps(protocol)]
     return lines
 
 
+STAGES = ("data", "train", "claim", "curve", "eval", "report", "all", "status")
+
+
 def main(argv=None) -> int:
-    p = addendum_arguments(__doc__, PROTOCOL, ("data", "train", "eval", "curve", "report", "all", "status"),
-                           "what to run (all: data, train, curve, eval, report; status: runs nothing)")
+    p = addendum_arguments(__doc__, PROTOCOL, STAGES, "what to run (claim: train, the curve as it is saved, and the "
+                           "evaluations that decide claim (b); all: claim, then every other evaluation and the report; "
+                           "status: runs nothing)")
     args, protocol, names = addendum_settings(p, argv)
     if args.stage == "status":
-        print("\n".join(status(protocol, names, args.max_length)))
+        print("\n".join(status(protocol, names, args.max_length, args.work)))
         return 0
     set_budget(args.budget)
     gguf = model_file()
     _, test = corpus(args.work, 4, args.docs)
-    failed = []
-    if args.stage in ("data", "train", "all"):
+    failed, data = [], None
+    if args.stage in ("data", "train", "claim", "all"):
         data = joined_corpus(args.docs, gguf, args.work, protocol["data"]["piece_min_tokens"])
         summary = data_summary(data)
         print(f"joined documents: {data} ({summary['pieces']} pieces, {summary['tokens']:,} tokens)", flush=True)
-    if args.stage in ("train", "all"):
+    if args.stage in ("train", "claim", "all"):
         print(f"device: {device()}", flush=True)
-        failed += run_all([(n, protocol, gguf, args.work, data) for n in names], train, 1, label=1)
-    if args.stage in ("curve", "all") and not failed:
-        points = [(n, s, protocol, gguf, args.work, test) for n in names for s in curve_steps(protocol)]
+        failed += claim(names, protocol, gguf, args.work, data, test, args.jobs, args.stage != "train")
+    if args.stage in ("curve", "all"):
+        points = [(n, s, protocol, gguf, args.work, test) for n in names for s in curve_steps(protocol)
+                  if (args.work / "snapshots" / n / f"weights-{s}.safetensors").is_file()]
         failed += run_all(points, curve_point, args.jobs, label=2)
-    if args.stage in ("eval", "all") and not failed:
-        tasks = [(*t, protocol, gguf, args.work, test) for t in evaluations(protocol, args.max_length) if t[0] in names]
+    if args.stage in ("eval", "all"):
+        ready = [n for n in names if trained(n)]
+        for n in ready:
+            ensure_trained(n, protocol["runs"][n], protocol, gguf, args.work, data)
+        tasks = [(*t, protocol, gguf, args.work, test) for t in evaluations(protocol, args.max_length) if t[0] in ready]
         failed += run_all(tasks, evaluate, args.jobs)
-    if args.stage in ("report", "eval", "curve", "all"):
+    if args.stage in ("report", "claim", "eval", "curve", "all"):
         block = report(protocol)
         print(f"wrote full_length to {REAL_MODEL / 'results.json'} and {OUT / 'report.md'}; goals held: "
-              f"{[g['held'] for g in block['goals']]}", flush=True)
-    return 1 if failed else 0
+              f"{[g['held'] for g in block['goals']]}; claim (b): {(block['claim_b'] or {}).get('held')}", flush=True)
+    return (3 if out_of_time() else 1) if failed else 0
 
 
 if __name__ == "__main__":

@@ -46,11 +46,12 @@ def adapters_folder(name: str, spec: dict) -> Path:
     return ROOT / spec["adapters"] if "adapters" in spec else REAL_MODEL / "protocol" / "adapters" / train_name(name, spec)
 
 
-def ensure_trained(name: str, spec: dict, protocol: dict, gguf: Path, work: Path, train: Path) -> Path:
-    """The model folder of a trained run, evaluated as committed: fine-tuned with the protocol's settings when no
-    adapters are committed (then its adapters are committed in float16), and always rebuilt from the committed
-    adapters (`pose_mlx.convert` of the GGUF plus the adapter files, upcast to float32), so anyone who rebuilds it
-    evaluates the same model."""
+def ensure_trained(name: str, spec: dict, protocol: dict, gguf: Path, work: Path, train: Path | None,
+                   reserve: float = 0.0) -> Path:
+    """The model folder of a trained run, evaluated as committed: fine-tuned with the protocol's settings (on the
+    texts in `train`; stopped `reserve` s before the budget's end) when no adapters are committed (then its
+    adapters are committed in float16), and always rebuilt from the committed adapters (`pose_mlx.convert` of the
+    GGUF plus the adapter files, upcast to float32), so anyone who rebuilds it evaluates the same model."""
     folder_name = train_name(name, spec)
     out = work / "runs" / folder_name
     adapters = adapters_folder(name, spec)
@@ -59,7 +60,7 @@ def ensure_trained(name: str, spec: dict, protocol: dict, gguf: Path, work: Path
         trained = work / "trained" / folder_name
         if not (trained / "adapters.safetensors").is_file():
             run_logged(protocol_finetune(spec["train"], protocol, gguf, work, train, trained),
-                work / "logs" / f"{folder_name}.finetune.log")
+                       work / "logs" / f"{folder_name}.finetune.log", reserve=reserve)
         adapters.mkdir(parents=True, exist_ok=True)
         for f in ("adapter_config.json", "pose_mlx.json", "config.json"):
             shutil.copyfile(trained / f, adapters / f)

@@ -2,20 +2,25 @@
 names, computed from a run's passkey trials.
 
 `load_protocol(path)` returns the file as a dict after checking every key the benchmark reads (ValueError naming
-the first one that is missing or of the wrong kind). `difference_tests(protocol, runs)` gives, for every run of
+the first one that is missing or of the wrong kind), with its amendments applied (`<name>.amendment-N.yaml` beside
+it, in order: trial counts, the equivalence test, a corrected `power_checked`; `amendments` lists them and the
+values they replaced are kept under `as_registered`). `difference_tests(protocol, runs)` gives, for every run of
 role `pose` against every run of role `training-free` or `control` and every length of `test.lengths`, the
 difference of passkey accuracies with Newcombe's 95% interval and the protocol's verdict; runs without trials at a
-length are left out. `discordant(a, b)` counts the matched trials one run gets right and the other wrong.
+length are left out. `equivalence_tests(protocol, runs)` gives an amendment's equivalence test of PoSE against
+each control (passkey: Newcombe's 90% interval inside the margin; perplexity: the ratio within the margin).
+`discordant(a, b)` counts the matched trials one run gets right and the other wrong.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import yaml
 
 from benchmarks.common import ROOT
-from pose_mlx.analysis.stats import difference_interval, power, verdict
+from pose_mlx.analysis.stats import Z90, difference_interval, equivalence, equivalence_power, power, verdict
 
 PROTOCOLS = ROOT / "benchmarks" / "protocols"  # registered records: kept with the results that cite them by path
 ROLES = ("base", "training-free", "control", "pose")
@@ -37,9 +42,33 @@ def _lengths(mapping: dict, where: str) -> dict[int, int]:
     return mapping
 
 
+def amend(protocol: dict, amendment: dict) -> dict:
+    """`protocol` with `amendment` applied: its passkey trial counts, equivalence test and corrected power line; the
+    replaced values kept under `as_registered`, the amendment appended to `amendments`."""
+    if amendment.get("amends") != protocol.get("name"):
+        raise ValueError(f"protocol: amendment {amendment.get('name')!r} amends {amendment.get('amends')!r}, "
+                         f"not {protocol.get('name')!r}")
+    kept = protocol.setdefault("as_registered", {})
+    trials = amendment.get("passkey", {}).get("trials", {})
+    if trials:
+        kept.setdefault("passkey_trials", dict(protocol["passkey"]["trials"]))
+        protocol["passkey"]["trials"] = {**protocol["passkey"]["trials"], **_lengths(trials, "amendment trials")}
+    if "power_checked_correction" in amendment:
+        kept.setdefault("power_checked", protocol.get("power_checked"))
+        protocol["power_checked"] = amendment["power_checked_correction"]
+    for key in ("equivalence", "power", "curve"):
+        if key in amendment:
+            protocol[key] = amendment[key]
+    protocol.setdefault("amendments", []).append(amendment["name"])
+    return protocol
+
+
 def load_protocol(path: str | Path) -> dict:
-    """The protocol at `path`, its schema checked."""
-    protocol = yaml.safe_load(Path(path).read_text())
+    """The protocol at `path` with its amendments applied (`amend`), its schema checked."""
+    path = Path(path)
+    protocol = yaml.safe_load(path.read_text())
+    for found in sorted(path.parent.glob(f"{path.stem}.amendment-*.yaml"), key=lambda p: int(p.stem.rsplit("-", 1)[1])):
+        amend(protocol, yaml.safe_load(found.read_text()))
     for key in ("name", "registered", "model"):
         _need(protocol, key, str, "")
     for key in ("original", "target"):
@@ -72,9 +101,21 @@ def load_protocol(path: str | Path) -> dict:
 
 def checked_power(protocol: dict) -> float:
     """The power the protocol states (`power_checked`), recomputed: the test's probability of finding PoSE better
-    at the stated true accuracies."""
+    (or, with `direction: worse`, worse) at the stated true accuracies."""
     p = protocol["power_checked"]
+    if p.get("direction", "better") == "worse":
+        return power(p["control"], p["trials"], p["pose"], p["trials"])
     return power(p["pose"], p["trials"], p["control"], p["trials"])
+
+
+def checked_equivalence_power(protocol: dict) -> dict:
+    """An amendment's stated power of its equivalence test, recomputed: per length, at the assumed accuracy for both
+    runs and the amended trial counts, and for the claim (every length equivalent: the product)."""
+    margin, assumed = protocol["equivalence"]["margin"], protocol["power"]["assumed"]
+    trials = protocol["passkey"]["trials"]
+    lengths = {n: equivalence_power(assumed[n], trials[n], assumed[n], trials[n], margin, Z90)
+               for n in protocol["equivalence"]["lengths"]}
+    return {"lengths": lengths, "claim": math.prod(lengths.values())}
 
 
 def difference_tests(protocol: dict, runs: dict) -> list[dict]:
@@ -88,14 +129,46 @@ def difference_tests(protocol: dict, runs: dict) -> list[dict]:
             for control in (n for n, role in roles.items() if role in ("training-free", "control")):
                 if key not in runs.get(control, {}).get("passkey", {}):
                     continue
-                counts = []
-                for name in (pose, control):
-                    n = runs[name]["passkey_trials"][key]
-                    counts += [round(runs[name]["passkey"][key] * n), n]
+                counts = _counts(runs, pose, key) + _counts(runs, control, key)
                 d, low, high = difference_interval(*counts)
                 out.append({"length": length, "pose": pose, "control": control, "difference": d,
                             "ci95": [low, high], "verdict": verdict(low, high),
                             "counts": {pose: counts[:2], control: counts[2:]}})
+    return out
+
+
+def _counts(runs: dict, name: str, key: str) -> list[int]:
+    n = runs[name]["passkey_trials"][key]
+    return [round(runs[name]["passkey"][key] * n), n]
+
+
+def equivalence_tests(protocol: dict, runs: dict) -> list[dict]:
+    """The amendment's equivalence test of every run of role `pose` against every `control` (`runs` as for
+    `difference_tests`): passkey at each of `equivalence.lengths` (Newcombe's 90% interval inside +-margin) and the
+    target perplexity (PoSE / control within 1 +- its margin); [] without an equivalence test. Comparisons whose
+    numbers are missing are left out."""
+    spec = protocol.get("equivalence")
+    if not spec:
+        return []
+    roles = {name: r["role"] for name, r in protocol["runs"].items()}
+    out = []
+    for pose in (n for n, role in roles.items() if role == "pose"):
+        for control in (n for n, role in roles.items() if role == "control"):
+            for length in spec["lengths"]:
+                key = str(length)
+                if all(key in runs.get(n, {}).get("passkey", {}) for n in (pose, control)):
+                    counts = _counts(runs, pose, key) + _counts(runs, control, key)
+                    d, low, high, said = equivalence(*counts, spec["margin"])
+                    out.append({"measure": "passkey", "length": length, "pose": pose, "control": control,
+                                "difference": d, "ci90": [low, high], "margin": spec["margin"], "verdict": said,
+                                "counts": {pose: counts[:2], control: counts[2:]}})
+            ppl = spec["perplexity"]
+            a, b = (runs.get(n, {}).get("ppl", {}).get(str(ppl["length"])) for n in (pose, control))
+            if a is not None and b is not None:
+                ratio = a / b
+                said = "equivalent" if 1 - ppl["margin"] <= ratio <= 1 + ppl["margin"] else "not shown equivalent"
+                out.append({"measure": "perplexity", "length": ppl["length"], "pose": pose, "control": control,
+                            "ppl": [a, b], "ratio": ratio, "margin": ppl["margin"], "verdict": said})
     return out
 
 

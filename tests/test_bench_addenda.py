@@ -2,6 +2,7 @@
 registered decisions computed from hand-made numbers."""
 
 import pytest
+from _finetune_helpers import text_dir  # noqa: F401
 
 from experiments import evidence_8x as e8
 from experiments.protocol import load_protocol
@@ -78,10 +79,13 @@ def test_pieces_close_at_the_minimum_and_fold_remainders_back():
 
 def test_snapshots_keep_every_multiple_of_the_interval_from_a_live_checkpoint_folder(tmp_path):
     import json
+    import shutil
 
-    ckpt, dest = tmp_path / "checkpoint", tmp_path / "kept"
+    from experiments.curve import Snapshots
+
+    ckpt, dest, saved = tmp_path / "checkpoint", tmp_path / "kept", []
     ckpt.mkdir()
-    watcher = efl.Snapshots(ckpt, dest, every=25)
+    watcher = Snapshots(ckpt, dest, every=25, on_saved=saved.append, convert=shutil.copyfile)
 
     def checkpoint(step, previous=None):
         (ckpt / f"weights-{step}.safetensors").write_bytes(str(step).encode())
@@ -97,7 +101,115 @@ def test_snapshots_keep_every_multiple_of_the_interval_from_a_live_checkpoint_fo
     checkpoint(60, previous=50)
     watcher.sweep()
     assert sorted(p.name for p in dest.iterdir()) == ["weights-25.safetensors", "weights-50.safetensors"]
-    assert (dest / "weights-50.safetensors").read_bytes() == b"50"
+    assert (dest / "weights-50.safetensors").read_bytes() == b"50" and saved == [25, 50]  # each handed on once
+
+
+def test_snapshots_are_kept_in_float16_as_the_committed_adapters_are(tmp_path):
+    import json
+
+    import mlx.core as mx
+
+    from experiments.curve import Snapshots
+
+    ckpt = tmp_path / "checkpoint"
+    ckpt.mkdir()
+    weights = {"a.lora_a": mx.array([[1.0, 1 / 3], [2.0 ** -20, 65504.0]]), "a.lora_b": mx.array([0.1])}
+    mx.save_safetensors(str(ckpt / "weights-25.safetensors"), weights)
+    (ckpt / "state.json").write_text(json.dumps({"step": 25, "files": {"weights": "weights-25.safetensors"}}))
+    Snapshots(ckpt, tmp_path / "kept", every=25).sweep()
+    kept = mx.load(str(tmp_path / "kept" / "weights-25.safetensors"))
+    assert {k: v.dtype for k, v in kept.items()} == {"a.lora_a": mx.float16, "a.lora_b": mx.float16}
+    assert kept["a.lora_a"].tolist() == weights["a.lora_a"].astype(mx.float16).tolist()
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == ["weights-25.safetensors"]
+
+
+def test_lanes_take_curve_points_before_evaluations_and_report_failures(capsys):
+    import threading
+
+    gate, taken, order = threading.Event(), threading.Event(), []
+
+    def task(name):
+        taken.set()
+        gate.wait(5)
+        order.append(name)
+        if name == "bad":
+            raise SystemExit("broken")
+        return name
+
+    lanes = efl.Lanes(1)
+    lanes.put(1, ("first",), task, "first")  # taken at once, then waits on the gate
+    assert taken.wait(5)
+    for priority, name in ((1, "eval-a"), (1, "bad"), (0, "curve-25"), (0, "curve-50")):
+        lanes.put(priority, (name,), task, name)
+    gate.set()
+    assert lanes.finish() == [("bad",)]
+    assert order == ["first", "curve-25", "curve-50", "eval-a", "bad"]
+    assert "bad: FAILED: broken" in capsys.readouterr().out
+
+
+def test_the_claim_is_decided_by_the_target_perplexity_and_the_amended_passkeys():
+    protocol = load_protocol(efl.PROTOCOL)
+    names = list(protocol["runs"])
+    assert efl.claim_evaluations(protocol, names) == [
+        (n, "ppl", 32768) for n in names] + [(n, "passkey", 16384) for n in names] + [
+        (n, "passkey", 32768) for n in names]
+    assert {efl.records(n, "passkey", 32768, protocol) for n in names} == {274}  # the amended counts
+
+
+def test_a_curve_point_whose_copy_is_gone_after_training_is_lost_not_waited_for(tmp_path, monkeypatch):
+    from experiments import curve
+
+    protocol = load_protocol(efl.PROTOCOL)
+    monkeypatch.setattr(curve, "CURVE", tmp_path / "curve")
+    (tmp_path / "curve").mkdir()
+    (tmp_path / "curve" / "full-yarn@25.ppl.32768.json").write_text("{}")
+    kept = tmp_path / "work" / "snapshots" / "full-yarn"
+    kept.mkdir(parents=True)
+    (kept / "weights-50.safetensors").write_bytes(b"")
+    assert curve.lost(protocol, "full-yarn", tmp_path / "work", trained=False) == []  # still training: it may come
+    assert curve.lost(protocol, "full-yarn", tmp_path / "work", trained=True) == [75, 100, 125, 150, 175]
+
+
+def test_a_curve_points_model_is_the_model_its_run_exports(tmp_path, text_dir):
+    """The scaffold a curve point is scored with (the GGUF converted, `finetune --sampler none`'s extension, the
+    LoRA's adapter config) with a run's final adapters is the model that run exports: the same config files and
+    the same perplexity on the same text, on a tiny GGUF."""
+    import json
+    import subprocess
+    import sys
+
+    from experiments import curve
+    import _gguf_helpers as H
+
+    tok = H.train_bpe()
+    config = H.model_config(tok.get_vocab_size(), tied=True)
+    gguf = tmp_path / "m.gguf"
+    H.write_gguf(gguf, config, H.random_weights(config), H.bpe_metadata(tok, "gpt-2"))
+    work = tmp_path / "work"
+    trained = work / "trained" / "run"
+    subprocess.run([sys.executable, "-m", "pose_mlx.finetune", "--model", str(gguf), "--target", "4x", "--schedule",
+                    "yarn", "--window", "64", "--steps", "2", "--lora-rank", "4", "--lora-layers", "1", "--no-fuse",
+                    "--data", str(text_dir), "--cache-dir", str(tmp_path / "cache"), "--output", str(trained),
+                    "--no-progress"], check=True, capture_output=True)
+    base = curve.scaffold("run", gguf, work)
+    for name in ("config.json", "adapter_config.json"):
+        assert json.loads((base / name).read_text()) == json.loads((trained / name).read_text()), name
+    assert json.loads((base / "pose_mlx.json").read_text())["schedule"] == \
+        json.loads((trained / "pose_mlx.json").read_text())["schedule"]
+    rebuilt = work / "rebuilt"  # as evidence_runs.ensure_trained rebuilds a committed run
+    subprocess.run([sys.executable, "-m", "pose_mlx.convert", str(gguf), str(rebuilt)], check=True, capture_output=True)
+    for name in ("config.json", "adapter_config.json", "pose_mlx.json", "adapters.safetensors"):
+        (rebuilt / name).write_bytes((trained / name).read_bytes())
+    point = curve.snapshot_model(base, trained / "adapters.safetensors", work / "point")
+
+    def ppl(folder):
+        out = tmp_path / f"{folder.name}.json"
+        subprocess.run([sys.executable, "-m", "pose_mlx.perplexity", "--model", str(folder), "--data", str(text_dir),
+                        "--lengths", "128", "--docs", "1", "--output", str(out), "--no-progress"], check=True,
+                       capture_output=True)
+        return json.loads(out.read_text())["results"][0]["ppl"]
+
+    assert ppl(point) == pytest.approx(ppl(rebuilt), rel=1e-6)
 
 
 def test_full_length_goals_from_hand_made_numbers():

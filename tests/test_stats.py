@@ -4,11 +4,14 @@ schema and stated power."""
 
 import math
 
+import numpy as np
 import pytest
 import yaml
 
-from experiments.protocol import PROTOCOLS, checked_power, difference_tests, discordant, load_protocol, select_recipe
-from pose_mlx.analysis.stats import difference_interval, kendall_tau, power, verdict, wilson
+from experiments.protocol import (PROTOCOLS, amend, checked_equivalence_power, checked_power, difference_tests,
+                                  discordant, equivalence_tests, load_protocol, select_recipe)
+from pose_mlx.analysis.stats import (Z90, difference_interval, equivalence, equivalence_power, equivalence_trials,
+                                     kendall_tau, power, verdict, wilson)
 
 # Newcombe (1998), Table II, method 10 (hybrid score), to the four decimals printed there.
 NEWCOMBE = [((56, 70, 48, 80), (0.0524, 0.3339)), ((9, 10, 3, 10), (0.1705, 0.8090)),
@@ -130,3 +133,113 @@ def test_select_recipe_follows_the_registered_rule():
     assert select_recipe(protocol, numbers, 10.0) is None  # b qualifies too: c's unmeasured 32k passkey decides
     numbers["c"]["passkey"][32768] = 0.1
     assert select_recipe(protocol, numbers, 10.0) == "b"  # b's 0.9 against c's 0.1
+
+
+# ------------------------------------------------------------------------------------------ the equivalence test
+
+
+def _newcombe_by_hand(h1, n1, h2, n2, z):
+    """Wilson (p + z^2/2n +- z sqrt(p(1-p)/n + z^2/4n^2)) / (1 + z^2/n) for each, then Newcombe's method 10."""
+    def w(h, n):
+        p = h / n
+        c, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+        return p, max(0.0, (c - half) / (1 + z * z / n)), min(1.0, (c + half) / (1 + z * z / n))
+    (p1, l1, u1), (p2, l2, u2) = w(h1, n1), w(h2, n2)
+    return p1 - p2, p1 - p2 - math.sqrt((p1 - l1) ** 2 + (u2 - p2) ** 2), p1 - p2 + math.sqrt((u1 - p1) ** 2 + (p2 - l2) ** 2)
+
+
+@pytest.mark.parametrize("counts, said", [((27, 30, 28, 30), "not shown equivalent"),  # too few trials: wide
+                                          ((250, 274, 252, 274), "equivalent"),
+                                          ((230, 274, 252, 274), "not shown equivalent"),  # 0.08 worse: past -0.10
+                                          ((110, 117, 111, 117), "equivalent")])
+def test_equivalence_is_the_90_percent_newcombe_interval_inside_the_margin(counts, said):
+    d, low, high, verdict_ = equivalence(*counts, 0.10)
+    assert Z90 == pytest.approx(1.6448536269514722)  # the normal's 95% quantile: two one-sided tests at 0.05
+    assert (d, low, high) == pytest.approx(_newcombe_by_hand(*counts, 1.6448536269514722))
+    assert verdict_ == said == ("equivalent" if -0.10 < low and high < 0.10 else "not shown equivalent")
+    assert (round(low, 4), round(high, 4)) == {(27, 30, 28, 30): (-0.1664, 0.0970),
+                                                (250, 274, 252, 274): (-0.0470, 0.0323),
+                                                (230, 274, 252, 274): (-0.1263, -0.0347),
+                                                (110, 117, 111, 117): (-0.0615, 0.0438)}[counts]
+
+
+def test_equivalence_power_is_exact_and_agrees_with_a_brute_force_sum_and_a_simulation():
+    def brute(p1, n1, p2, n2, m):  # every outcome, one at a time, through `equivalence` itself
+        return sum(math.comb(n1, a) * p1 ** a * (1 - p1) ** (n1 - a) * math.comb(n2, b) * p2 ** b * (1 - p2) ** (n2 - b)
+                   for a in range(n1 + 1) for b in range(n2 + 1) if equivalence(a, n1, b, n2, m)[3] == "equivalent")
+
+    for args in ((0.9, 40, 0.9, 40, 0.15), (0.8, 25, 0.95, 30, 0.2), (0.5, 12, 0.5, 12, 0.3)):
+        assert equivalence_power(*args) == pytest.approx(brute(*args), abs=1e-12)
+    rng = np.random.default_rng(0)  # 20,000 simulated pairs of runs at 0.85 and 117 trials
+    hits = rng.binomial(117, 0.85, size=(20000, 2))
+    share = np.mean([equivalence(int(a), 117, int(b), 117, 0.10)[3] == "equivalent" for a, b in hits])
+    assert share == pytest.approx(equivalence_power(0.85, 117, 0.85, 117, 0.10), abs=0.01)
+    assert equivalence_power(0.9, 30, 0.9, 30, 0.0) == 0.0  # no interval fits inside an empty margin
+
+
+def test_equivalence_trials_is_the_first_count_that_reaches_the_power():
+    n = equivalence_trials(0.95, 0.10, 0.8)
+    assert equivalence_power(0.95, n, 0.95, n, 0.10) >= 0.8
+    assert all(equivalence_power(0.95, k, 0.95, k, 0.10) < 0.8 for k in range(2, n))
+    with pytest.raises(ValueError, match="no n"):
+        equivalence_trials(0.5, 0.01, 0.99, limit=50)
+
+
+def test_the_amendment_of_addendum_a_states_its_power_truly_and_corrects_the_power_line():
+    """Amendment 1's counts are the fewest with power >= sqrt(0.8) at each length (so >= 0.8 for the claim), every
+    power it states recomputes, and its corrected `power_checked` line says what the addendum's comment says (Full
+    at 0.95, PoSE at 0.75, PoSE found worse), where the registered line had the roles swapped."""
+    import yaml
+
+    protocol = load_protocol(PROTOCOLS / "real_model_full_length.yaml")
+    assert protocol["amendments"] == ["real_model-full-length-v1-amendment-1"]
+    assert protocol["as_registered"]["passkey_trials"] == {4096: 30, 8192: 30, 16384: 30, 32768: 24}
+    assert protocol["passkey"]["trials"] == {4096: 30, 8192: 30, 16384: 117, 32768: 274}
+    stated, target = protocol["power"], protocol["power"]["target"]
+    for length, n in protocol["passkey"]["trials"].items():
+        if length in protocol["equivalence"]["lengths"]:
+            assert n == equivalence_trials(stated["assumed"][length], protocol["equivalence"]["margin"],
+                                           math.sqrt(target))
+    found = checked_equivalence_power(protocol)
+    assert {k: round(v, 3) for k, v in found["lengths"].items()} == stated["lengths"]
+    assert round(found["claim"], 3) == stated["claim"] >= target
+    for length, n in ((16384, 117), (32768, 274)):
+        p = stated["assumed"][length]
+        assert round(power(p, n, p, n), 3) == stated["registered_test"]["false_worse"][length]
+        assert round(power(p, n, p - 0.10, n), 3) == stated["registered_test"]["gap_found"][length]
+    registered = protocol["as_registered"]["power_checked"]
+    assert (registered["control"], registered["pose"]) == (0.75, 0.95)  # the line as registered: roles swapped
+    assert power(0.75, 24, 0.95, 24) < 0.001  # read as written (PoSE 0.95 better than Full 0.75 is its 0.50) ...
+    corrected = protocol["power_checked"]
+    assert (corrected["control"], corrected["pose"], corrected["direction"]) == (0.95, 0.75, "worse")
+    assert checked_power(protocol) == pytest.approx(corrected["power"], abs=0.005)  # ... as its comment says
+    text = (PROTOCOLS / "real_model_full_length.yaml").read_text()
+    assert "Full retrieves 0.95 and PoSE p: 24 trials (32k): p 0.85 -> 0.14, 0.75 -> 0.50" in text
+    raw = yaml.safe_load((PROTOCOLS / "real_model_full_length.amendment-1.yaml").read_text())
+    assert raw["registered"] == "2026-11-29" and raw["amends"] == protocol["name"]
+    with pytest.raises(ValueError, match="amends"):
+        amend(load_protocol(PROTOCOLS / "real_model_8x.yaml"), raw)
+
+
+def test_equivalence_tests_and_claim_b_on_hand_made_counts():
+    from experiments.evidence_full_length import claim_b
+
+    protocol = load_protocol(PROTOCOLS / "real_model_full_length.yaml")
+    runs = {"pose-yarn-joined": {"passkey": {"16384": 110 / 117, "32768": 250 / 274}, "ppl": {"32768": 6.2},
+                                 "passkey_trials": {"16384": 117, "32768": 274}},
+            "full-yarn": {"passkey": {"16384": 111 / 117, "32768": 252 / 274}, "ppl": {"32768": 6.0},
+                          "passkey_trials": {"16384": 117, "32768": 274}}}
+    tests = {(t["measure"], t["length"]): t for t in equivalence_tests(protocol, runs)}
+    assert set(tests) == {("passkey", 16384), ("passkey", 32768), ("perplexity", 32768)}
+    t = tests[("passkey", 32768)]
+    assert t["ci90"] == pytest.approx(list(_newcombe_by_hand(250, 274, 252, 274, Z90)[1:]))
+    assert t["verdict"] == "equivalent" and t["counts"] == {"pose-yarn-joined": [250, 274], "full-yarn": [252, 274]}
+    assert tests[("perplexity", 32768)]["ratio"] == pytest.approx(6.2 / 6.0)  # 1.033: inside 1 +- 0.05
+    assert claim_b(protocol, list(tests.values()))["held"] is True
+    runs["pose-yarn-joined"]["ppl"]["32768"] = 6.4  # 1.067: outside
+    assert claim_b(protocol, equivalence_tests(protocol, runs))["held"] is False
+    runs["pose-yarn-joined"]["ppl"]["32768"] = 5.6  # 0.933: better by more than the margin is not "equivalent"
+    assert claim_b(protocol, equivalence_tests(protocol, runs))["held"] is False
+    del runs["full-yarn"]["passkey"]["16384"]
+    assert claim_b(protocol, equivalence_tests(protocol, runs))["held"] is None  # not decided while one is missing
+    assert equivalence_tests(load_protocol(PROTOCOLS / "real_model.yaml"), runs) == []  # no amendment there
