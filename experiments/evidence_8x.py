@@ -1,13 +1,15 @@
 """The 8x addendum (`benchmarks/protocols/real_model_8x.yaml`): SmolLM2-135M-Instruct, 8k -> 64k.
 
-    python -m experiments.evidence_8x [--stage train|eval|report|all|status] [--only RUN] [--max-length N]
-                                     [--jobs N] [--budget SECONDS]
+    python -m experiments.evidence_8x [--stage train|decisive|eval|report|all|status] [--only RUN]
+                                     [--max-length N] [--jobs N] [--budget SECONDS]
 
 Runs what the addendum registers with the project's own commands (`experiments.evidence_runs`): the one new
 fine-tuning (`pose-yarn-64k`, the 4x headline's recipe with target 65,536) and the committed plain fine-tuning
 of real_model-v1 (`adapt`, scaled 8x at load); evaluations cheapest first (unseen-domain perplexity at 2k,
 passkey at 16k, 32k, 64k, perplexity at 64k on CPython's NEWS, RULER at 64k), each a record in
-`results/real_model/protocol_8x/eval/` that names its device, resumable from its partial record. The base's 16k
+`results/real_model/protocol_8x/eval/` that names its device, resumable from its partial record. `decisive` runs
+first what the goal is judged on (`decisive_evaluations`: the passkey and perplexity at 64k of PoSE + YaRN, then
+of each training-free run, then of each control). The base's 16k
 and 32k passkey trials are real_model-v1's (the same model and trials), read from its records. `--budget` stops
 the running evaluation (SIGTERM: it keeps its finished trials) and starts no other when the time is spent.
 The report stage writes `factor_8x` into `results/real_model/results.json` (the 4x block's schema: `runs`,
@@ -45,6 +47,14 @@ def evaluations(protocol: dict, max_length: int | None = None) -> list[tuple[str
     order += [(n, "ppl", target) for n in runs]
     order += [(n, "ruler", length) for length in protocol["ruler"]["lengths"] for n in runs]
     return [t for t in order if max_length is None or t[2] <= max_length]
+
+
+def decisive_evaluations(protocol: dict) -> list[tuple[str, str, int]]:
+    """(run, kind, length) of what the goal is judged on: the passkey and perplexity at the target of every run of
+    role pose, then training-free, then control (each role in the protocol's order), each run's passkey first."""
+    runs, target = protocol["runs"], protocol["target"]
+    ordered = [n for role in ("pose", "training-free", "control") for n in runs if runs[n]["role"] == role]
+    return [(n, kind, target) for n in ordered for kind in ("passkey", "ppl")]
 
 
 def news_corpus(protocol: dict, work: Path) -> Path:
@@ -202,30 +212,33 @@ def write_report(protocol: dict, block: dict) -> Path:
 
 
 def main(argv=None) -> int:
-    p = addendum_arguments(__doc__, PROTOCOL, ("train", "eval", "report", "all", "status"),
-                           "what to run (status: runs nothing, lists each evaluation as done, partly done or waiting)")
+    p = addendum_arguments(__doc__, PROTOCOL, ("train", "decisive", "eval", "report", "all", "status"),
+                           "what to run (decisive: the goal's 64k evaluations first; status: runs nothing, lists each "
+                           "evaluation as done, partly done or waiting)")
     args, protocol, names = addendum_settings(p, argv)
     tasks = [t for t in evaluations(protocol, args.max_length) if t[0] in names]
+    if args.stage == "decisive":
+        tasks = [t for t in decisive_evaluations(protocol) if t[0] in names and t in tasks]
     if args.stage == "status":
         for name, kind, length in tasks:
             state = record_state(EVAL / f"{name}.{kind}.{length}.json", records(name, kind, length, protocol))
             print(f"{name} {kind} {length}: {state}")
         return 0
-    if args.stage in ("eval", "all") and "prediction" not in protocol:
+    if args.stage in ("decisive", "eval", "all") and "prediction" not in protocol:
         p.error(f"{args.protocol} has no `prediction` yet: the simulator's prediction is registered before any "
                 "trial of this addendum (train and report may run)")
     set_budget(args.budget)
     gguf = model_file()
     train, _ = corpus(args.work, 4, args.docs)
     failed = []
-    if args.stage in ("train", "eval", "all"):
+    if args.stage in ("train", "decisive", "eval", "all"):
         print(f"device: {device()}", flush=True)
         trained = [n for n in names if protocol["runs"][n]["role"] in ("control", "pose")]
         failed += run_all([(n, protocol["runs"][n], protocol, gguf, args.work, train) for n in trained],
                           ensure_trained, 1, label=1)
-    if args.stage in ("eval", "all") and not failed:
+    if args.stage in ("decisive", "eval", "all") and not failed:
         failed += run_all([(*t, protocol, gguf, args.work) for t in tasks], evaluate, args.jobs)
-    if args.stage in ("report", "eval", "all"):
+    if args.stage in ("report", "decisive", "eval", "all"):
         block = report(protocol)
         print(f"wrote factor_8x to {REAL_MODEL / 'results.json'} and {OUT / 'report.md'}; goal held: "
               f"{block['goal']['held']}", flush=True)

@@ -1,17 +1,24 @@
-"""The pending GPU jobs in priority order within one time budget: `python -m experiments.gpu_jobs --budget S --out DIR`.
+"""The pending GPU jobs in the order that decides the most per GPU-second, within one time budget:
+`python -m experiments.gpu_jobs --budget S --out DIR`; `--plan` says beforehand what each lent session will run.
 
-GPU time comes in short slots (about 15 minutes, calls of at most 10), so every GPU job takes a budget, stops
-cleanly before it runs out and keeps what it finished (a fine-tuning its checkpoint, an evaluation its finished
-trials), and the next slot goes on from there. The jobs, most important first:
+GPU time comes in short slots (a lent session: about 15 minutes, one command of at most 10), so every GPU job
+takes a budget, stops cleanly before it runs out and keeps what it finished (a fine-tuning its checkpoint, an
+evaluation its finished trials), and the next slot goes on from there. The jobs, in order:
 
-  1. bench_gpu         `benchmarks.bench_gpu`, alone on the card: plans against peaks, pose_mlx against mlx-lm,
-                       the first compiled update, MFU, the test suite (pending until gpu.json says it ran alone
-                       and nothing was cut);
-  2. full-length       `experiments.evidence_full_length`: both fine-tunings, the Fig. 3c curve, the registered trials;
-  3. 8x                `experiments.evidence_8x --stage eval`: the 64k trials (once the prediction is registered and the
-                       64k PoSE adapters are committed);
-  4. cost              `experiments.bench_cost_curve --grad-checkpoint --skip-recorded`: the real model's cost curve
-                       (PoSE at 1k/2k, full-length at 8k/16k/32k) on the GPU, the configurations not yet recorded.
+  a-claim      `experiments.evidence_full_length --stage claim`: addendum A's two fine-tunings, one after the
+               other in one call, each point of their curve scored beside them as it is saved, and, as soon as a
+               run is trained, what decides claim (b): its 32k perplexity and its passkey at 16k and 32k at the
+               amended counts (`--jobs 3` evaluation lanes);
+  b-decisive   `experiments.evidence_8x --stage decisive`: addendum B's goal, the passkey and perplexity at 64k,
+               PoSE + YaRN, dynamic NTK and YaRN first (once the prediction and the 64k adapters are committed);
+  a-rest       `experiments.evidence_full_length --stage all`: the rest of addendum A;
+  b-rest       `experiments.evidence_8x --stage eval`: the rest of addendum B;
+  cost         `experiments.bench_cost_curve --grad-checkpoint --skip-recorded`: the cost curve's configurations
+               not yet recorded on a GPU;
+  bench_gpu    `benchmarks.bench_gpu --skip-tests`: plans against peaks, pose_mlx against mlx-lm, the first
+               compiled update, MFU (pending until gpu.json says it ran alone and nothing was cut);
+  tests I/K    `benchmarks.gpu_tests --shard I/K`: the test suite in K shards (`--shards`, default 3) that each fit
+               a call, pending until every test file is in a complete shard recorded on a GPU.
 
 Each pending, ready job runs as its own process (its own session) with `--budget` = the time left minus a reserve
 (`RESERVE`, for packing and for the job's own stop); no job starts with less than 30 s. A job still running
@@ -19,19 +26,25 @@ Each pending, ready job runs as its own process (its own session) with `--budget
 (finished, stopped by its budget: exit 3, stopped by this runner, failed, not ready, done before, no time left)
 and what is pending before and after it are recorded.
 
-At the end every file the jobs wrote or changed under benchmarks/results/ (partial records included), then under
-the jobs' work folders (a fine-tuning's checkpoints: `Job.keep`), is packed into DIR as `results.tar.gz`, split into
+At the end, what a later session or this checkout needs is packed into DIR as `results.tar.gz`, split into
 `results.tar.gz.partNN` pieces of at most 15 MiB, everything in DIR at most 60 MiB in at most 7 files (a device
-call returns at most 8 files of 16 MiB, 64 MiB in all); what does not fit is listed in `left_behind`. Files the
-jobs removed are listed in the archive and removed again when it is unpacked. DIR also gets `gpu_jobs.json` (what
-ran, for how long, how each ended, what is still pending, the archive's SHA-256) and `gpu_jobs.log` (the jobs'
-output: its first 64 KiB and last part when longer than 1 MiB).
+call returns at most 8 files of 16 MiB, 64 MiB in all), in this order, each group whole or left behind whole
+(`left_behind`): every file the jobs wrote or changed under benchmarks/results/ (partial records included); then,
+per unfinished fine-tuning, what resumes it (`resume_files`: its run.json, log and last checkpoint, the weights and
+AdamW state in float32 so that it resumes exactly; not the checkpoint before it); then the curve's kept copies
+not yet scored (float16); then the jobs' logs. Files the jobs removed are listed in the archive and removed again
+when it is unpacked. DIR also gets `gpu_jobs.json` (what ran, for how long, how each ended, what is still
+pending, the archive's SHA-256, `manifest`: every packed file's size and SHA-256, and `code`: the SHA-256 of every
+source file the jobs ran, with the commit when the checkout is a git one) and `gpu_jobs.log` (the jobs' output:
+its first 64 KiB and last part when longer than 1 MiB).
 
-  --unpack FILES...   joins the pieces (in name order, none missing; checked against gpu_jobs.json's SHA-256 when
-                      it lies beside them), refuses absolute paths, '..', links and devices, extracts into the
-                      checkout (or --into) and removes the files the jobs removed;
+  --unpack FILES...   joins the pieces (in name order, none missing; checked against gpu_jobs.json's SHA-256 and
+                      each file against its manifest when it lies beside them), refuses absolute paths, '..', links
+                      and devices, extracts into the checkout (or --into) and removes the files the jobs removed;
   --list              runs nothing: each job's state, and the git-ignored files a next call must carry (partial
                       records, checkpoints) to resume;
+  --plan              runs nothing: the plan (`experiments.gpu_plan`) of what is pending, over lent sessions of
+                      `--session-seconds` with `--overhead` of them spent starting and carrying (`--json`: as JSON);
   --dry-run           runs `bench_gpu --dry-run` (into a temporary folder) and reports the evidence jobs' status
                       only, packing the dry run's files: the whole runner on a CPU in a few minutes.
 """
@@ -39,15 +52,11 @@ output: its first 64 KiB and last part when longer than 1 MiB).
 from __future__ import annotations
 
 import argparse
-import hashlib
-import io
 import json
-import math
 import os
 import signal
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -57,15 +66,15 @@ from typing import Callable
 from pose_mlx.errors import ArgumentParser, UserError, command
 
 from benchmarks.common import RESULTS_DIR, ROOT, child_env
+from experiments.gpu_pack import (ARCHIVE, LOG_BYTES, Group, changes, code_fingerprint, pack, resume_files, snapshot,
+                                  unpack, write_log)
 
-PART_BYTES = 15 * 2**20
 OUT_BYTES = 60 * 2**20  # everything written into --out
 MAX_FILES = 7
-LOG_BYTES, LOG_HEAD = 2**20, 64 * 2**10
+SHARDS = 3  # the test suite's shards (`benchmarks.gpu_tests`)
 RESERVE = 45.0  # seconds kept for packing the results and for the last job's own stop
 MIN_START = 30.0  # no job starts with less
 STOP_AFTER, KILL_AFTER = 15.0, 10.0  # SIGTERM this long past a job's budget, SIGKILL this long after
-ARCHIVE, REMOVED = "results.tar.gz", ".gpu_jobs-removed.json"
 OWN_FILES = ("gpu_jobs.json", "gpu_jobs.log")
 WORK = Path("out") / "real_model"  # the evidence scripts' default --work
 
@@ -103,13 +112,14 @@ def _cut(text: str, length: int) -> str:
     return text if len(text) <= length else text[:length - 3].rsplit(" ", 1)[0] + " ..."
 
 
-def status_pending(module: str, *extra: str) -> str | None:
-    """Pending items of an evidence script's `--stage status` (lines not starting 'done' / 'adapters committed')."""
+def status_pending(module: str, *extra: str, only: Callable[[str], bool] = lambda item: True) -> str | None:
+    """Pending items of an evidence script's `--stage status` (lines not starting 'done' / 'adapters committed'),
+    of the items ("<run> <what>") that `only` keeps."""
     out = subprocess.run([sys.executable, "-m", module, "--stage", "status", *extra], capture_output=True, text=True,
                          env=child_env(), cwd=ROOT)
     if out.returncode:
         return f"its status failed (exit {out.returncode}): {' '.join(out.stderr.split())[-200:]}"
-    lines = [line for line in out.stdout.splitlines() if ": " in line]
+    lines = [line for line in out.stdout.splitlines() if ": " in line and only(line.split(": ", 1)[0])]
     waiting = [line for line in lines if not line.split(": ", 1)[1].startswith(("done", "adapters committed"))]
     return f"{len(waiting)} of {len(lines)} items not done" if waiting else None
 
@@ -124,16 +134,48 @@ def ready_8x() -> str | None:
     return None if adapters.is_dir() else "the 64k PoSE fine-tuning (CPU) has not committed its adapters"
 
 
-def default_jobs() -> list[Job]:
+def claim_items() -> set[str]:
+    """The status items of addendum A that decide claim (b): the fine-tunings, their curve, the claim's evaluations."""
+    from experiments import evidence_full_length as efl
+    from experiments.protocol import load_protocol
+
+    protocol = load_protocol(efl.PROTOCOL)
+    runs = list(protocol["runs"])
+    return ({f"{n} fine-tuning" for n in runs} | {f"{n} curve @{s}" for n in runs for s in efl.curve_steps(protocol)}
+            | {" ".join(map(str, t)) for t in efl.claim_evaluations(protocol, runs)})
+
+
+def decisive_items() -> set[str]:
+    """The status items of addendum B that its goal is judged on (`evidence_8x.decisive_evaluations`)."""
+    from experiments import evidence_8x as e8
+    from experiments.protocol import load_protocol
+
+    return {" ".join(map(str, t)) for t in e8.decisive_evaluations(load_protocol(e8.PROTOCOL))}
+
+
+def default_jobs(shards: int = SHARDS) -> list[Job]:
+    """The queue, in the order that decides the most per GPU-second (the module's docstring)."""
     py = [sys.executable, "-m"]
-    return [Job("bench_gpu", [*py, "benchmarks.bench_gpu"], gpu_pending),
-            Job("full-length", [*py, "experiments.evidence_full_length", "--stage", "all", "--jobs", "3"],
-                lambda: status_pending("experiments.evidence_full_length"),
-                keep=(str(WORK / "trained"), str(WORK / "snapshots"), str(WORK / "logs"))),
-            Job("8x", [*py, "experiments.evidence_8x", "--stage", "eval", "--jobs", "3"],
-                lambda: status_pending("experiments.evidence_8x"), ready_8x, keep=(str(WORK / "logs"),)),
-            Job("cost", [*py, "experiments.bench_cost_curve", "--grad-checkpoint", "--skip-recorded"],
-                cost_pending)]
+    a, b = "experiments.evidence_full_length", "experiments.evidence_8x"
+    keep = (str(WORK / "trained"), str(WORK / "snapshots"), str(WORK / "logs"))
+    jobs = [Job("a-claim", [*py, a, "--stage", "claim", "--jobs", "3"],
+                lambda: status_pending(a, only=claim_items().__contains__), keep=keep),
+            Job("b-decisive", [*py, b, "--stage", "decisive", "--jobs", "3"],
+                lambda: status_pending(b, only=decisive_items().__contains__), ready_8x, keep=(str(WORK / "logs"),)),
+            Job("a-rest", [*py, a, "--stage", "all", "--jobs", "3"], lambda: status_pending(a), keep=keep),
+            Job("b-rest", [*py, b, "--stage", "eval", "--jobs", "3"], lambda: status_pending(b), ready_8x,
+                keep=(str(WORK / "logs"),)),
+            Job("cost", [*py, "experiments.bench_cost_curve", "--grad-checkpoint", "--skip-recorded"], cost_pending),
+            Job("bench_gpu", [*py, "benchmarks.bench_gpu", "--skip-tests"], gpu_pending)]
+    return jobs + [Job(f"tests {i}/{shards}", [*py, "benchmarks.gpu_tests", "--shard", f"{i}/{shards}"],
+                       lambda i=i: shard_pending(i, shards)) for i in range(1, shards + 1)]
+
+
+def shard_pending(i: int, k: int) -> str | None:
+    """Why the test suite's shard `i` of `k` is pending (`gpu_tests.shard_pending`, imported when asked)."""
+    from benchmarks.gpu_tests import shard_pending as pending
+
+    return pending(i, k)
 
 
 def cost_pending() -> str | None:
@@ -217,102 +259,38 @@ def run_jobs(jobs: list[Job], budget: float, log, reserve: float = RESERVE, min_
     return ran
 
 
-# ------------------------------------------------------------------------------------------ packing
+def scored(copy: Path) -> bool:
+    """Whether the curve's kept copy `copy` (<run>/weights-<step>.safetensors) has its point recorded."""
+    from experiments.curve import CURVE
+
+    step = copy.name.removeprefix("weights-").removesuffix(".safetensors")
+    return any(CURVE.glob(f"{copy.parent.name}@{step}.ppl.*.json"))
 
 
-def snapshot(roots: list[Path]) -> dict[Path, tuple[int, int]]:
-    """{file: (mtime_ns, size)} of every file under `roots` (those that exist)."""
-    return {p: (p.stat().st_mtime_ns, p.stat().st_size) for root in roots if root.exists()
-            for p in (root.rglob("*") if root.is_dir() else [root]) if p.is_file()}
+def groups(changed: list[Path], roots: list[Path]) -> list[Group]:
+    """What to bring back, in order: the files changed under `roots` (the records); per unfinished fine-tuning
+    among the changed files, what resumes it (whole); the curve's kept copies not yet scored; the logs."""
+    records = [p for p in changed if any(r in p.parents for r in roots)]
+    others = [p for p in changed if p not in records]
+    runs = sorted({f for p in others for f in p.parents if f.name.endswith(".partial") and (f / "run.json").is_file()})
+    resume = [Group(resume_files(run), whole=True) for run in runs]
+    copies = [p for p in others if p.parent.parent.name == "snapshots" and p.name.startswith("weights-")
+              and not scored(p)]
+    logs = [p for p in others if p.parent.name == "logs"]
+    return [Group(records), *resume, Group(copies), Group(logs)]
 
 
-def changes(before: dict, after: dict) -> tuple[list[Path], list[Path]]:
-    """(files new or changed, files removed) between two snapshots."""
-    return sorted(p for p, stamp in after.items() if before.get(p) != stamp), sorted(set(before) - set(after))
-
-
-def pack(groups: list[list[Path]], removed: list[Path], out: Path, base: Path, cap: int,
-         part: int = PART_BYTES) -> dict:
-    """`groups` of files (in priority order; paths inside `base`, stored relative to it) and the list of `removed`
-    ones as out/results.tar.gz, split into `part`-byte pieces when larger, at most `cap` bytes in all: a file that
-    would pass the cap is left behind (listed). Returns the pieces' names, the SHA-256 and what was left behind."""
-    buffer, left_behind = io.BytesIO(), []
-    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-        names = json.dumps([str(p.relative_to(base)) for p in removed]).encode()
-        info = tarfile.TarInfo(REMOVED)
-        info.size, info.mtime = len(names), int(time.time())
-        tar.addfile(info, io.BytesIO(names))
-        for files in groups:
-            for f in files:
-                size = f.stat().st_size
-                if buffer.tell() + size + size // 500 + 256 * 2**10 > cap:  # the compressor's pending bytes too
-                    left_behind.append({"path": str(f.relative_to(base)), "bytes": size})
-                    continue
-                tar.add(f, arcname=str(f.relative_to(base)), recursive=False)
-    data = buffer.getvalue()
-    out.mkdir(parents=True, exist_ok=True)
-    count = max(1, math.ceil(len(data) / part))
-    names = [ARCHIVE] if count == 1 else [f"{ARCHIVE}.part{i:02d}" for i in range(count)]
-    for i, name in enumerate(names):
-        (out / name).write_bytes(data[i * part:(i + 1) * part])
-    return {"packed": names, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
-            "left_behind": left_behind}
-
-
-def _safe(member: tarfile.TarInfo) -> bool:
-    path = Path(member.name)
-    return (member.isfile() or member.isdir()) and not path.is_absolute() and ".." not in path.parts \
-        and member.name not in ("", ".")
-
-
-def unpack(files: list[Path], into: Path = ROOT) -> dict:
-    """Join `files` (results.tar.gz, or all its pieces), check them (none missing; the SHA-256 in a gpu_jobs.json
-    beside them), refuse unsafe members, extract into `into` and remove the files the jobs removed."""
-    files = sorted((Path(f) for f in files), key=lambda p: p.name)
-    names = [f.name for f in files]
-    expected = [ARCHIVE] if names == [ARCHIVE] else [f"{ARCHIVE}.part{i:02d}" for i in range(len(files))]
-    if names != expected:
-        raise UserError(f"--unpack: expected {', '.join(expected)} (all the pieces, once each); got {', '.join(names)}")
-    data = b"".join(f.read_bytes() for f in files)
-    summary = files[0].parent / "gpu_jobs.json"
-    if summary.is_file():
-        sha = json.loads(summary.read_text()).get("sha256")
-        if sha and hashlib.sha256(data).hexdigest() != sha:
-            raise UserError(f"--unpack: the pieces do not make the archive {summary} describes (SHA-256 differs)")
-    try:
-        tar = tarfile.open(fileobj=io.BytesIO(data), mode="r:gz")
-        members = tar.getmembers()
-    except (tarfile.TarError, OSError, EOFError) as error:
-        raise UserError(f"--unpack: not a whole results archive ({error})") from None
-    bad = [m.name for m in members if not _safe(m)]
-    if bad:
-        raise UserError(f"--unpack: refusing links, devices and paths outside the folder: {', '.join(bad[:3])}")
-    removed = json.loads(tar.extractfile(REMOVED).read()) if REMOVED in tar.getnames() else []
-    extracted = [m for m in members if m.name != REMOVED]
-    tar.extractall(into, members=extracted, filter="data")
-    gone = []
-    for name in removed:
-        target = into / name
-        if ".." not in Path(name).parts and not Path(name).is_absolute() and target.is_file():
-            target.unlink()
-            gone.append(name)
-    return {"files": [m.name for m in extracted if m.isfile()], "removed": gone}
-
-
-def write_log(full: Path, out: Path) -> None:
-    """out/gpu_jobs.log: the jobs' whole output, or its first LOG_HEAD bytes and last part when over LOG_BYTES."""
-    data = full.read_bytes()
-    if len(data) > LOG_BYTES:
-        cut = f"\n[... {len(data) - LOG_BYTES + 100} bytes cut ...]\n".encode()
-        data = data[:LOG_HEAD] + cut + data[-(LOG_BYTES - LOG_HEAD - 100):]
-    (out / "gpu_jobs.log").write_bytes(data)
-
-
-def resumable() -> list[str]:
-    """Git-ignored state a next call must carry to resume: folders of partial records under benchmarks/results
-    and the jobs' `keep` folders that exist."""
-    folders = sorted({str(p.parent.relative_to(ROOT)) for p in RESULTS_DIR.rglob("*.partial.jsonl")})
-    return folders + [k for job in default_jobs() for k in job.keep if (ROOT / k).exists()]
+def resumable(jobs: list[Job] | None = None) -> list[str]:
+    """Git-ignored files a next session must carry to go on where this checkout stopped: partial records under
+    benchmarks/results, what resumes each unfinished fine-tuning of the jobs' work folders, the curve's copies
+    not yet scored."""
+    files = sorted(RESULTS_DIR.rglob("*.partial.jsonl"))
+    for folder in {ROOT / k for job in (jobs or default_jobs()) for k in job.keep}:
+        for run in sorted(folder.glob("*.partial")) if folder.name == "trained" else ():
+            files += resume_files(run)
+        if folder.name == "snapshots":
+            files += [p for p in sorted(folder.glob("*/weights-*.safetensors")) if not scored(p)]
+    return [str(p.relative_to(ROOT)) for p in files]
 
 
 # ------------------------------------------------------------------------------------------ the command
@@ -333,9 +311,9 @@ def prepare(out: Path) -> None:
 
 def run(jobs: list[Job], budget: float, out: Path, roots: list[Path], base: Path, report: list[Job] | None = None,
         **limits) -> dict:
-    """The runner: the jobs within `budget`, then every file they changed under `roots` (and their `keep`
-    folders) packed into `out` with gpu_jobs.json and gpu_jobs.log. `report`: other jobs whose pending state is
-    reported before and after (the dry run's real ones); by default the jobs' own. Returns gpu_jobs.json's dict."""
+    """The runner: the jobs within `budget`, then what they changed under `roots` and their `keep` folders packed
+    into `out` (`groups`) with gpu_jobs.json and gpu_jobs.log. `report`: other jobs whose pending state is reported
+    before and after (the dry run's real ones); by default the jobs' own. Returns gpu_jobs.json's dict."""
     start = time.monotonic()
     prepare(out)
     keep = [base / k for job in jobs for k in job.keep]
@@ -348,10 +326,8 @@ def run(jobs: list[Job], budget: float, out: Path, roots: list[Path], base: Path
         write_log(full, out)
     changed, removed = changes(before, snapshot(roots + keep))
     changed = [p for p in changed if out.resolve() not in p.resolve().parents]
-    in_results = [p for p in changed if any(r in p.parents for r in roots)]
-    packed = pack([in_results, [p for p in changed if p not in in_results]], removed, out, base,
-                  OUT_BYTES - LOG_BYTES - 2**18)
-    summary = {"budget": budget, "seconds": round(time.monotonic() - start, 1), "jobs": ran,
+    packed = pack(groups(changed, roots), removed, out, base, OUT_BYTES - LOG_BYTES - 2**18)
+    summary = {"budget": budget, "seconds": round(time.monotonic() - start, 1), "code": code_fingerprint(ROOT), "jobs": ran,
                "pending_before": pending_before or {e["job"]: e["pending_before"] for e in ran},
                "pending_after": pending_report(report) if report else {e["job"]: e["pending_after"] for e in ran},
                "changed": len(changed), "removed": [str(p.relative_to(base)) for p in removed], **packed}
@@ -381,15 +357,40 @@ def main(argv=None) -> int:
     p.add_argument("--unpack", nargs="+", type=Path, metavar="FILE",
                    help="extract results.tar.gz (or all its .partNN pieces) into the checkout")
     p.add_argument("--into", type=Path, default=ROOT, help="with --unpack: where to extract (default: the checkout)")
+    p.add_argument("--shards", type=int, default=SHARDS, help=f"the test suite's shards (default {SHARDS})")
+    p.add_argument("--plan", action="store_true", help="run nothing: what each lent session will run (gpu_plan)")
+    p.add_argument("--session-seconds", type=float, default=900.0,
+                   help="with --plan: the device seconds of one lent session (default 900)")
+    p.add_argument("--overhead", type=float, default=240.0,
+                   help="with --plan: the seconds of a session spent starting the machine and carrying files "
+                        "(default 240)")
+    p.add_argument("--json", action="store_true", help="with --plan: print the plan as JSON")
     args = p.parse_args(argv)
+    if args.shards < 1:
+        raise UserError("--shards must be at least 1")
+    if args.plan:
+        from experiments.gpu_plan import describe, queue_plan
+
+        try:
+            found = queue_plan(args.session_seconds, args.overhead, args.shards)
+        except ValueError as error:
+            raise UserError(f"--plan: {error}") from None
+        print(json.dumps(found, indent=1) if args.json else describe(found))
+        return 0
     if args.unpack:
         done = unpack(args.unpack, args.into)
         print(f"unpacked {len(done['files'])} files into {args.into}; removed {len(done['removed'])} the jobs removed")
         return 0
     if args.list:
-        _print_pending("GPU jobs:", pending_report(default_jobs()))
+        _print_pending("GPU jobs:", pending_report(default_jobs(args.shards)))
+        from benchmarks.gpu_tests import summary as suite
+
+        s = suite(args.shards)
+        print(f"the test suite on a GPU: {s['shards']} of {args.shards} shards recorded, {s['passed']} passed, "
+              f"{s['failed']} failed, {s['errors']} errors" + ("" if s["complete"] else " (not complete)"))
         carry = resumable()
-        print("to carry into the next call (git-ignored state to resume from): " + (" ".join(carry) or "nothing"))
+        print("to carry into the next session (git-ignored state to resume from; `tools/gpu_wheels.py download "
+              "--state` packs it): " + (" ".join(carry) or "nothing"))
         return 0
     if args.out is None:
         raise UserError("--out is required to run jobs (the folder the results are packed into)")
@@ -400,7 +401,7 @@ def main(argv=None) -> int:
             summary = run(dry_jobs(Path(scratch)), args.budget, args.out, [Path(scratch)], Path(scratch),
                           report=default_jobs())
     else:
-        summary = run(default_jobs(), args.budget, args.out, [RESULTS_DIR], ROOT)
+        summary = run(default_jobs(args.shards), args.budget, args.out, [RESULTS_DIR], ROOT)
     _print_pending("pending before:", summary["pending_before"])
     _print_pending("pending after:", summary["pending_after"])
     print(f"{summary['changed']} files changed, {len(summary['removed'])} removed; packed into {args.out}: "

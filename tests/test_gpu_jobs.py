@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from experiments import gpu_jobs
+from experiments import gpu_jobs, gpu_pack
 from experiments.gpu_jobs import Job
+from experiments.gpu_pack import Group
 from pose_mlx.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,7 +92,8 @@ def _tree(root: Path, files: dict[str, bytes]) -> None:
 
 def test_run_packs_what_changed_into_pieces_and_unpacks_them_byte_for_byte(tmp_path):
     """A job writes a 16.5 MiB random file (so the archive is split), changes a file, removes one, and writes a
-    checkpoint in its `keep` folder; unpacked into a copy of the starting tree, the copy equals the end tree."""
+    stray file in its `keep` folder (no run folder's, no log: not brought back); unpacked into a copy of the
+    starting tree, the copy equals the end tree's results."""
     base = tmp_path / "repo"
     results = base / "results"
     _tree(base, {"results/kept.json": b"{}", "results/old.partial.json": b"[1]", "results/changed.txt": b"a",
@@ -117,11 +119,14 @@ def test_run_packs_what_changed_into_pieces_and_unpacks_them_byte_for_byte(tmp_p
     assert hashlib.sha256(data).hexdigest() == summary["sha256"] == json.loads(
         (out / "gpu_jobs.json").read_text())["sha256"]
 
-    done = gpu_jobs.unpack([out / "results.tar.gz.part01", out / "results.tar.gz.part00"], start_copy)
-    assert sorted(done["files"]) == ["results/changed.txt", "results/run/big.bin", "work/ckpt/state.json"]
+    assert set(summary["manifest"]) == {"results/changed.txt", "results/run/big.bin"}  # work/ckpt: no run, no log
+    assert summary["manifest"]["results/changed.txt"] == {"bytes": 1, "sha256": hashlib.sha256(b"b").hexdigest()}
+    done = gpu_pack.unpack([out / "results.tar.gz.part01", out / "results.tar.gz.part00"], start_copy)
+    assert sorted(done["files"]) == ["results/changed.txt", "results/run/big.bin"]
     assert done["removed"] == ["results/old.partial.json"]
-    tree = {p.relative_to(base): p.read_bytes() for p in base.rglob("*") if p.is_file()}
-    copy = {p.relative_to(start_copy): p.read_bytes() for p in start_copy.rglob("*") if p.is_file()}
+    tree = {p.relative_to(base): p.read_bytes() for p in base.rglob("*") if p.is_file() and "ckpt" not in p.parts}
+    copy = {p.relative_to(start_copy): p.read_bytes() for p in start_copy.rglob("*") if p.is_file()
+            and "ckpt" not in p.parts}
     assert copy == tree
 
 
@@ -131,11 +136,17 @@ def test_results_over_the_cap_are_left_behind_in_priority_order(tmp_path):
         f = tmp_path / f"f{i}.bin"
         f.write_bytes(os.urandom(2**20))
         files.append(f)
-    summary = gpu_jobs.pack([files[:2], files[2:]], [], tmp_path / "out", tmp_path, cap=int(2.8 * 2**20))
+    summary = gpu_pack.pack([Group(files[:2]), Group(files[2:])], [], tmp_path / "out", tmp_path,
+                            cap=int(2.8 * 2**20))
     assert [x["path"] for x in summary["left_behind"]] == ["f2.bin", "f3.bin"]
     assert summary["bytes"] <= 2.8 * 2**20
     names = tarfile.open(tmp_path / "out" / "results.tar.gz").getnames()
-    assert names == [gpu_jobs.REMOVED, "f0.bin", "f1.bin"]
+    assert names == [gpu_pack.REMOVED, "f0.bin", "f1.bin"]
+    # a whole group goes together or not at all: the first file fits, the pair does not
+    whole = gpu_pack.pack([Group(files[:1]), Group(files[1:3], whole=True), Group(files[3:])], [],
+                          tmp_path / "out2", tmp_path, cap=int(2.8 * 2**20))
+    assert [x["path"] for x in whole["left_behind"]] == ["f1.bin", "f2.bin"] and set(whole["manifest"]) == {
+        "f0.bin", "f3.bin"}
 
 
 def _archive(tmp_path: Path, member: tarfile.TarInfo, data: bytes = b"") -> Path:
@@ -160,7 +171,7 @@ def test_unpack_refuses_unsafe_members(tmp_path, name, kind):
     into = tmp_path / "into"
     into.mkdir()
     with pytest.raises(UserError, match="refusing links, devices and paths outside the folder"):
-        gpu_jobs.unpack([archive], into)
+        gpu_pack.unpack([archive], into)
     assert list(into.iterdir()) == [] and not (tmp_path / "evil.txt").exists()
 
 
@@ -168,16 +179,20 @@ def test_unpack_wants_every_piece_and_the_right_bytes(tmp_path):
     out = tmp_path / "out"
     big = tmp_path / "big.bin"
     big.write_bytes(os.urandom(3 * 2**20))
-    summary = gpu_jobs.pack([[big]], [], out, tmp_path, cap=10 * 2**20, part=2**20)
+    summary = gpu_pack.pack([Group([big])], [], out, tmp_path, cap=10 * 2**20, part=2**20)
     assert len(summary["packed"]) == 4  # random bytes do not compress
     pieces = [out / n for n in summary["packed"]]
     with pytest.raises(UserError, match="all the pieces"):
-        gpu_jobs.unpack(pieces[:2] + pieces[3:], tmp_path / "into")
+        gpu_pack.unpack(pieces[:2] + pieces[3:], tmp_path / "into")
     (out / "gpu_jobs.json").write_text(json.dumps({"sha256": "0" * 64}))
     with pytest.raises(UserError, match="SHA-256 differs"):
-        gpu_jobs.unpack(pieces, tmp_path / "into")
-    (out / "gpu_jobs.json").write_text(json.dumps({"sha256": summary["sha256"]}))
-    assert gpu_jobs.unpack(pieces, tmp_path / "into")["files"] == ["big.bin"]
+        gpu_pack.unpack(pieces, tmp_path / "into")
+    wrong = {"big.bin": {"bytes": 1, "sha256": "0" * 64}}
+    (out / "gpu_jobs.json").write_text(json.dumps({"sha256": summary["sha256"], "manifest": wrong}))
+    with pytest.raises(UserError, match="differ from their manifest: big.bin"):
+        gpu_pack.unpack(pieces, tmp_path / "into")
+    (out / "gpu_jobs.json").write_text(json.dumps({"sha256": summary["sha256"], "manifest": summary["manifest"]}))
+    assert gpu_pack.unpack(pieces, tmp_path / "into")["files"] == ["big.bin"]
     assert (tmp_path / "into" / "big.bin").read_bytes() == big.read_bytes()
 
 
@@ -195,11 +210,11 @@ def test_out_must_be_empty_or_this_runners_own(tmp_path):
 
 
 def test_the_log_keeps_its_head_and_tail(tmp_path, monkeypatch):
-    monkeypatch.setattr(gpu_jobs, "LOG_BYTES", 1000)
-    monkeypatch.setattr(gpu_jobs, "LOG_HEAD", 100)
+    monkeypatch.setattr(gpu_pack, "LOG_BYTES", 1000)
+    monkeypatch.setattr(gpu_pack, "LOG_HEAD", 100)
     full = tmp_path / "full.log"
     full.write_bytes(b"H" * 100 + b"m" * 5000 + b"T" * 800)
-    gpu_jobs.write_log(full, tmp_path)
+    gpu_pack.write_log(full, tmp_path)
     kept = (tmp_path / "gpu_jobs.log").read_bytes()
     assert len(kept) <= 1000 + 40 and kept.startswith(b"H" * 100) and kept.endswith(b"T" * 800)
     assert b"bytes cut" in kept
@@ -222,12 +237,17 @@ def test_bench_gpu_is_pending_until_alone_and_whole(tmp_path):
 
 
 def test_the_real_jobs_and_the_dry_run_are_the_intended_commands(tmp_path):
-    jobs = gpu_jobs.default_jobs()
-    assert [j.name for j in jobs] == ["bench_gpu", "full-length", "8x", "cost"]
+    jobs = gpu_jobs.default_jobs(2)
+    assert [j.name for j in jobs] == ["a-claim", "b-decisive", "a-rest", "b-rest", "cost", "bench_gpu", "tests 1/2",
+                                      "tests 2/2"]
     assert [j.command[2:] for j in jobs] == [
-        ["benchmarks.bench_gpu"], ["experiments.evidence_full_length", "--stage", "all", "--jobs", "3"],
+        ["experiments.evidence_full_length", "--stage", "claim", "--jobs", "3"],
+        ["experiments.evidence_8x", "--stage", "decisive", "--jobs", "3"],
+        ["experiments.evidence_full_length", "--stage", "all", "--jobs", "3"],
         ["experiments.evidence_8x", "--stage", "eval", "--jobs", "3"],
-        ["experiments.bench_cost_curve", "--grad-checkpoint", "--skip-recorded"]]
+        ["experiments.bench_cost_curve", "--grad-checkpoint", "--skip-recorded"],
+        ["benchmarks.bench_gpu", "--skip-tests"], ["benchmarks.gpu_tests", "--shard", "1/2"],
+        ["benchmarks.gpu_tests", "--shard", "2/2"]]
     for job in jobs:  # each takes --budget
         help_text = subprocess.run([*job.command[:3], "--help"], capture_output=True, text=True, cwd=ROOT).stdout
         assert "--budget" in help_text
