@@ -130,6 +130,29 @@ def test_host_texts_go_where_the_protocols_read_them(tmp_path):
     assert all(p.is_absolute() and p.exists() for p in paths)
 
 
+def test_the_state_to_resume_travels_relative_to_the_checkout(tmp_path, monkeypatch):
+    """What an earlier session left to resume from (checkpoint files, a partial record) is tarred relative to the
+    checkout, split and joined like any carried file, and lands at the same paths in the GPU machine's copy."""
+    checkout = tmp_path / "checkout"
+    monkeypatch.setattr(gw, "ROOT", checkout)
+    files = {"out/real_model/trained/run.partial/checkpoint/weights-4.safetensors": MiB + 7,
+             "benchmarks/results/real_model/protocol_full/eval/x.passkey.32768.partial.json.partial.jsonl": 300}
+    for name, size in files.items():
+        _files((checkout / name).parent, {Path(name).name: size})
+    dest = tmp_path / ".gpu"
+    (dest / "fetched").mkdir(parents=True)
+    gw.tar_state(sorted(files), dest / "fetched" / gw.STATE_TAR)
+    assert sorted(tarfile.open(dest / "fetched" / gw.STATE_TAR).getnames()) == sorted(files)
+    gw.layout(sorted((dest / "fetched").iterdir()), dest, call_bytes=MiB)  # split over two calls
+    stash = tmp_path / "stash"
+    gw.stash(dest, stash)
+    gw.join(stash)
+    there = tmp_path / "gpu-checkout"
+    assert sorted(gw.extract_state(stash, there)) == sorted(files)
+    assert all((there / n).read_bytes() == (checkout / n).read_bytes() for n in files)
+    assert gw.extract_state(tmp_path / "nothing", there) == []
+
+
 def test_size_counts_what_a_call_carries():
     git = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
                          capture_output=True)

@@ -5,13 +5,19 @@
 #   bash tools/gpu_session.sh --stash                  # a call that carries .gpu/callN while more calls follow
 #   bash tools/gpu_session.sh [--budget S] [--out DIR] # the last call: join, install, check the GPU, run the jobs
 #
+# A lent session is these calls back to back (the machine is fresh again 30 s after a call): every call but the
+# last carries one call folder and runs `--stash`; the last carries the last folder and is the session's one
+# command, set-up, a slice of the queue and the packing in one call (run it with the call's limit, 600 s: the
+# default budget, 580 s, ends 20 s inside it). `python -m experiments.gpu_jobs --plan` says what the slice runs.
+#
 # Every call first copies the call folders it carried (.gpu/call*) into the stash, a folder outside the checkout
 # ($POSE_MLX_GPU_STASH, default /tmp/pose_mlx_gpu) that outlives the call while the machine stays up. The last call
 # joins and checks the pieces (a missing one is named with its call), installs every wheel with
 # `pip install --no-index --no-deps --target` into $POSE_MLX_GPU_SITE (default /tmp/site), puts that and the
 # checkout on PYTHONPATH, checks that MLX's default device is the GPU, uses the SmolLM2 GGUF and puts the
-# evidence texts in place when they were carried (--data), and runs
-# `python3 -m experiments.gpu_jobs --budget B --out DIR` with B = --budget (default 540) less the seconds the
+# evidence texts in place when they were carried (--data), puts the state an earlier session left to resume from
+# into the checkout when it was carried (--state: checkpoints, partial records), and runs
+# `python3 -m experiments.gpu_jobs --budget B --out DIR` with B = --budget (default 580) less the seconds the
 # set-up took, DIR = --out (default $OUT, else gpu_out in the checkout). $PYTHON names the interpreter (python3);
 # $POSE_MLX_GPU_CARRIED the carried call folders' parent (.gpu); $POSE_MLX_GPU_HOST_ROOT where the texts go (/).
 set -euo pipefail
@@ -21,7 +27,7 @@ STASH="${POSE_MLX_GPU_STASH:-/tmp/pose_mlx_gpu}"
 SITE="${POSE_MLX_GPU_SITE:-/tmp/site}"
 CARRIED="${POSE_MLX_GPU_CARRIED:-$REPO/.gpu}"
 PYTHON="${PYTHON:-python3}"
-BUDGET=540
+BUDGET=580
 OUT_DIR="${OUT:-$REPO/gpu_out}"
 MODE=run
 
@@ -54,6 +60,7 @@ case "$DEVICE" in
 esac
 if ls "$STASH"/models/*.gguf >/dev/null 2>&1; then export POSE_MLX_MODELS="$STASH/models"; fi
 wheels host --stash "$STASH" --root "${POSE_MLX_GPU_HOST_ROOT:-/}"
+wheels state --stash "$STASH" --into "$REPO"
 
 LEFT=$((BUDGET - SECONDS))
 [ "$LEFT" -gt 0 ] || die "the set-up took $SECONDS s of the $BUDGET s budget"

@@ -3,16 +3,19 @@ internet, in pieces small enough to carry a few at a time. Run `download` where 
 subcommands run on the GPU machine (`tools/gpu_session.sh` calls them) with nothing but Python's standard library
 and this checkout.
 
-    python tools/gpu_wheels.py download [--dest .gpu] [--call-mib 45] [--data]
+    python tools/gpu_wheels.py download [--dest .gpu] [--call-mib 45] [--data] [--state]
     python tools/gpu_wheels.py stash --stash DIR [--src .gpu]     # copy the pieces carried in this call to DIR
     python tools/gpu_wheels.py join --stash DIR                   # join and check them: DIR/files/, DIR/models/
     python tools/gpu_wheels.py host --stash DIR [--root /]        # put the evidence texts where the protocols read them
+    python tools/gpu_wheels.py state --stash DIR [--into .]       # put the carried state to resume into the checkout
     python tools/gpu_wheels.py size [--carry PATH ...]            # what a call from this checkout carries
 
 `download` fetches, with `pip download --no-deps`, the wheels of exactly the mlx, mlx-cuda-13, mlx-lm and gguf
 versions installed here (mlx-cuda-13's is the one mlx's `cuda13` extra pins), built for CPython 3.12 on x86-64
 Linux (`PLATFORMS`); `--data` adds the SmolLM2 GGUF (`tools/fetch_smollm2.py`) and a tar of the host texts the
-evidence protocols read (the reST sources, the license texts, CPython's NEWS). A file larger than the piece size
+evidence protocols read (the reST sources, the license texts, CPython's NEWS); `--state` a tar of the git-ignored
+state an earlier GPU session left to resume from (`experiments.gpu_jobs.resumable`: partial records, what resumes
+an unfinished fine-tuning, the curve's unscored copies), paths relative to the checkout. A file larger than the piece size
 (at most 60 MiB and the call size) is split into equal `NAME.partNN` pieces; the files and pieces are then laid
 out into folders `call1`, `call2`, ... of at most `--call-mib` MiB each (what one call carries beside the
 checkout itself), each with a copy of `manifest.json` (every file's size and SHA-256, and its pieces'). Names are
@@ -41,7 +44,7 @@ PLATFORMS = ("manylinux_2_35_x86_64", "manylinux_2_34_x86_64", "manylinux_2_31_x
 PYTHON = "3.12"
 MAX_PIECE = 60 * 2**20
 CARRY_LIMIT = 64 * 2**20  # what one call carries in all: the checkout, shared/ and the carried paths
-MANIFEST, HOST_TAR = "manifest.json", "host-files.tar.gz"
+MANIFEST, HOST_TAR, STATE_TAR = "manifest.json", "host-files.tar.gz", "state.tar"
 GGUF = ".gguf"
 
 # ------------------------------------------------------------------------------------------ here, with PyPI
@@ -85,6 +88,22 @@ def host_paths() -> list[Path]:
             "print(json.dumps(sorted({p for p in paths if pathlib.Path(p).exists()})))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     return [Path(p) for p in json.loads(out.stdout)]
+
+
+def state_paths() -> list[str]:
+    """The checkout's git-ignored state to resume from (`experiments.gpu_jobs.resumable`, asked of a child run
+    from the checkout), relative to it."""
+    code = "import json; from experiments.gpu_jobs import resumable; print(json.dumps(resumable()))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def tar_state(paths: list[str], dest: Path) -> Path:
+    """`paths` (relative to the checkout) in an uncompressed tar (checkpoints do not compress), stored relative."""
+    with tarfile.open(dest, "w") as tar:
+        for path in paths:
+            tar.add(ROOT / path, arcname=path, recursive=False)
+    return dest
 
 
 def tar_host(paths: list[Path], dest: Path) -> Path:
@@ -151,8 +170,9 @@ def layout(files: list[Path], dest: Path, call_bytes: int) -> dict:
     return manifest
 
 
-def download(dest: Path, call_bytes: int, data: bool) -> dict:
-    """The wheels (and with `data` the GGUF and the host texts) laid out into call folders under `dest`."""
+def download(dest: Path, call_bytes: int, data: bool, state: bool = False) -> dict:
+    """The wheels (and with `data` the GGUF and the host texts, with `state` the state to resume from) laid out
+    into call folders under `dest`."""
     if dest.exists() and any(dest.iterdir()):
         raise UserError(f"--dest {dest} is not empty: remove it first (its pieces would mix with the new ones)")
     fetched = dest / "fetched"
@@ -166,6 +186,11 @@ def download(dest: Path, call_bytes: int, data: bool) -> dict:
         model = fetch()
         shutil.copyfile(model, fetched / model.name)
         tar_host(host_paths(), fetched / HOST_TAR)
+    if state:
+        paths = state_paths()
+        print(f"state to resume from: {len(paths)} files" + (f" ({', '.join(paths[:3])}...)" if paths else ""))
+        if paths:
+            tar_state(paths, fetched / STATE_TAR)
     manifest = layout(sorted(fetched.iterdir()), dest, call_bytes)
     fetched.rmdir()
     return manifest
@@ -223,6 +248,16 @@ def extract_host(stash_dir: Path, root: Path) -> list[str]:
         return [m.name for m in tar.getmembers() if m.isfile()]
 
 
+def extract_state(stash_dir: Path, into: Path) -> list[str]:
+    """The carried state (stash/files/state.tar) extracted into the checkout `into` (nothing when none came)."""
+    archive = stash_dir / "files" / STATE_TAR
+    if not archive.is_file():
+        return []
+    with tarfile.open(archive) as tar:
+        tar.extractall(into, filter="data")
+        return [m.name for m in tar.getmembers() if m.isfile()]
+
+
 def travel_size(carry: list[str]) -> tuple[int, dict[str, int]]:
     """Bytes a call from this checkout carries (the tracked and the untracked, not ignored, files present, shared/
     and `carry`), and those bytes by folder (at most 5 levels down)."""
@@ -256,22 +291,26 @@ def main(argv=None) -> int:
     d.add_argument("--call-mib", type=float, default=45.0,
                    help="MiB one call carries beside the checkout (default 45; a call carries 64 MiB in all)")
     d.add_argument("--data", action="store_true", help="add the SmolLM2 GGUF and the evidence jobs' host texts")
+    d.add_argument("--state", action="store_true",
+                   help="add the git-ignored state an earlier GPU session left to resume from (gpu_jobs --list)")
     parsers = {name: sub.add_parser(name, help=text) for name, text in (
         ("stash", "copy the call folders carried in this call into --stash"),
         ("join", "join and check the stashed pieces into --stash/files and --stash/models"),
-        ("host", "extract the stashed host texts under --root"))}
+        ("host", "extract the stashed host texts under --root"),
+        ("state", "extract the stashed state to resume from into the checkout (--into)"))}
     for s in parsers.values():
         s.add_argument("--stash", type=Path, required=True, help="the folder outside the checkout that keeps them")
     parsers["stash"].add_argument("--src", type=Path, default=ROOT / ".gpu",
                                   help="the parent of the carried call folders (default .gpu)")
     parsers["host"].add_argument("--root", type=Path, default=Path("/"), help="where the texts go (default /)")
+    parsers["state"].add_argument("--into", type=Path, default=ROOT, help="the checkout (default this one)")
     z = sub.add_parser("size", help="what a call from this checkout carries")
     z.add_argument("--carry", nargs="*", default=[], help="ignored paths the call names in carry")
     args = p.parse_args(argv)
     if args.action == "download":
         if not 1 <= args.call_mib <= 60:
             raise UserError("--call-mib must be between 1 and 60")
-        manifest = download(args.dest, int(args.call_mib * 2**20), args.data)
+        manifest = download(args.dest, int(args.call_mib * 2**20), args.data, args.state)
         for i in range(manifest["calls"]):
             folder = args.dest / f"call{i + 1}"
             size = sum(f.stat().st_size for f in folder.iterdir())
@@ -284,6 +323,8 @@ def main(argv=None) -> int:
             print(path)
     elif args.action == "host":
         print(f"{len(extract_host(args.stash, args.root))} host files under {args.root}")
+    elif args.action == "state":
+        print(f"{len(extract_state(args.stash, args.into))} files of state to resume from in {args.into}")
     else:
         total, by_folder = travel_size(args.carry)
         print(f"a call from {ROOT} carries {total / 2**20:.1f} MiB (limit {CARRY_LIMIT // 2**20} MiB)"
