@@ -127,18 +127,24 @@ def seven_b_rate(record: Path = RESULTS_DIR / "gpu" / "gpu.json") -> tuple[float
                                           f"{best['s_per_update']:.2f} s on the {data['device']}")
 
 
+def smollm2_parameters(rank: int = 16) -> tuple[int, int]:
+    """(SmolLM2-135M's parameters, its LoRA's at rank `rank` on the seven projections of every block: r (in + out)
+    each), from its shapes (`benchmarks.common.SMOLLM2_135M`)."""
+    from benchmarks.common import SMOLLM2_135M as c
+
+    h, kv, f = c["hidden_size"], c["num_key_value_heads"] * c["head_dim"], c["intermediate_size"]
+    layers = c["num_hidden_layers"]
+    params = layers * (2 * h * h + 2 * h * kv + 3 * h * f + 2 * h) + c["vocab_size"] * h + h
+    return params, layers * rank * (2 * (h + h) + 2 * (h + kv) + 3 * (h + f))
+
+
 def smollm2_update_flops(window: int, rank: int = 16) -> float:
-    """Model FLOPs of one LoRA update of SmolLM2-135M on one row of `window` tokens (rank `rank` on its seven
-    projections of every block), by `gpu_checks.lora_flops`."""
+    """Model FLOPs of one LoRA update of SmolLM2-135M on one row of `window` tokens, by `gpu_checks.lora_flops`."""
     from benchmarks.common import SMOLLM2_135M as c
     from benchmarks.gpu_checks import lora_flops
 
-    h, kv, f, layers = c["hidden_size"], c["num_key_value_heads"] * c["head_dim"], c["intermediate_size"], \
-        c["num_hidden_layers"]
-    block = 2 * h * h + 2 * h * kv + 3 * h * f
-    params = layers * (block + 2 * h) + c["vocab_size"] * h + h
-    lora = layers * rank * (2 * (h + h) + 2 * (h + kv) + 3 * (h + f))
-    return lora_flops(params, lora, layers, h, window - 1, window - 1)
+    params, lora = smollm2_parameters(rank)
+    return lora_flops(params, lora, c["num_hidden_layers"], c["hidden_size"], window - 1, window - 1)
 
 
 def training_task(name: str, window: int, steps: int, floor: float = 0.15) -> Task:

@@ -368,3 +368,44 @@ def test_cost_curve_on_a_gpu_is_pending_until_each_configuration_is_recorded_who
     assert cc.main(["--configs", configs, "--grad-checkpoint", "--skip-recorded"]) == 0
     assert ran == [("pose", 2048), ("full", 8192)]
     assert cc.gpu_pending(configs) is None
+
+
+def test_claim_scores_copies_while_training_and_evaluates_each_run_once_trained(tmp_path, monkeypatch):
+    """`claim` with the fine-tunings, evaluations and curve points faked: each run trains in turn; the copies it
+    saves are scored while it trains; a run's claim evaluations start only after its fine-tuning ended; a run
+    trained before is only rebuilt; a failed fine-tuning leaves the other run going."""
+    import threading
+
+    protocol = load_protocol(efl.PROTOCOL)
+    events, lock, done = [], threading.Lock(), {"pose-yarn-joined"}
+
+    def log(*event):
+        with lock:
+            events.append(event)
+
+    def train(name, protocol, gguf, work, data, on_saved=None):
+        log("train", name)
+        if name == "broken":
+            raise SystemExit("out of memory")
+        for step in (25, 50):
+            on_saved(step)
+        done.add(name)
+        log("trained", name)
+
+    monkeypatch.setattr(efl, "train", train)
+    monkeypatch.setattr(efl, "trained", lambda name: name in done)
+    monkeypatch.setattr(efl, "ensure_trained", lambda name, *a, **k: log("rebuilt", name))
+    monkeypatch.setattr(efl, "curve_point", lambda name, step, *a: log("curve", name, step))
+    monkeypatch.setattr(efl, "evaluate", lambda name, kind, length, *a: log("eval", name, kind, length))
+    protocol["runs"]["broken"] = protocol["runs"]["full-yarn"]
+    failed = efl.claim(["pose-yarn-joined", "full-yarn", "broken"], protocol, tmp_path / "m.gguf", tmp_path,
+                       tmp_path / "data", tmp_path / "test", jobs=2)
+    assert failed == [("broken",)]
+    assert ("train", "pose-yarn-joined") not in events and ("rebuilt", "pose-yarn-joined") in events
+    assert {e for e in events if e[0] == "curve"} == {("curve", "full-yarn", 25), ("curve", "full-yarn", 50)}
+    for name in ("pose-yarn-joined", "full-yarn"):
+        evals = [i for i, e in enumerate(events) if e[:2] == ("eval", name)]
+        assert sorted(events[i][2:] for i in evals) == [("passkey", 16384), ("passkey", 32768), ("ppl", 32768)]
+        assert min(evals) > events.index(("rebuilt", name))
+    assert events.index(("trained", "full-yarn")) < events.index(("rebuilt", "full-yarn"))
+    assert not any(e[:2] == ("eval", "broken") for e in events)

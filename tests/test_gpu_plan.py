@@ -105,3 +105,18 @@ def test_the_plan_command_prints_the_json_it_promises():
     assert 1 <= found["claim_sessions"] <= found["sessions"] == len(found["per_session"])
     assert found["order"][0] == "a-claim" and set(found["order"]) == set(found["jobs"])
     assert all({"recorded_seconds", "estimated_seconds", "sessions", "tasks"} <= set(j) for j in found["jobs"].values())
+
+
+def test_the_sizes_docs_gpu_quotes_are_smollm2s_lora_state():
+    """docs/gpu.md's sizes of what resumes a 32k fine-tuning (LoRA weights and two AdamW moments in float32) and
+    of a curve copy (float16) follow from SmolLM2-135M's shapes at the protocols' rank 16, and the committed
+    float16 adapters hold that many numbers."""
+    import mlx.core as mx
+
+    params, lora = gpu_plan.smollm2_parameters(16)
+    assert params == 134_515_008  # SmolLM2-135M's parameter count
+    committed = mx.load(str(ROOT / "benchmarks/results/real_model/protocol/adapters/pose-yarn-64k/adapters.safetensors"))
+    assert sum(v.size for v in committed.values()) == lora
+    text = " ".join((ROOT / "docs" / "gpu.md").read_text().split())
+    assert f"about {round(3 * 4 * lora / 2**20)} MiB for a 32k fine-tuning of SmolLM2-135M" in text
+    assert f"float16, about {round(2 * lora / 2**20)} MiB each" in text

@@ -243,3 +243,18 @@ def test_equivalence_tests_and_claim_b_on_hand_made_counts():
     del runs["full-yarn"]["passkey"]["16384"]
     assert claim_b(protocol, equivalence_tests(protocol, runs))["held"] is None  # not decided while one is missing
     assert equivalence_tests(load_protocol(PROTOCOLS / "real_model.yaml"), runs) == []  # no amendment there
+
+
+def test_the_evidence_page_quotes_the_amendment_as_registered():
+    """docs/evidence.md's paragraph on amendment 1 says what the amendment's record says."""
+    protocol = load_protocol(PROTOCOLS / "real_model_full_length.yaml")
+    text = " ".join((PROTOCOLS.parents[1] / "docs" / "evidence.md").read_text().split())
+    eq, pw, trials = protocol["equivalence"], protocol["power"], protocol["passkey"]["trials"]
+    registered = yaml.safe_load((PROTOCOLS / "real_model_full_length.amendment-1.yaml").read_text())["registered"]
+    for phrase in (f"registered {registered}, before any of the addendum's fine-tunings or trials",
+                   f"inside +-{eq['margin']:.2f}", f"inside 1 +- {eq['perplexity']['margin']:.2f}",
+                   f"{trials[16384]} at 16k and {trials[32768]} at 32k for both runs",
+                   f"both runs retrieve {pw['assumed'][16384]:.2f} and {pw['assumed'][32768]:.2f}",
+                   f"the claim's power is {pw['claim']:.3f}",
+                   f"with probability {protocol['power_checked']['power']:.2f}"):
+        assert phrase in text, phrase
