@@ -96,7 +96,8 @@ def main(argv=None) -> int:
     p.add_argument("--shard", required=True, help="I/K: run the I-th of K shards of the suite")
     p.add_argument("--budget", type=float, default=None, help="seconds for the shard, counting and writing included")
     p.add_argument("--workers", type=int, default=10, help="pytest-xdist workers when installed (default 10; 0: none)")
-    p.add_argument("--output", type=Path, default=None, help=f"folder for the record (default {TESTS.relative_to(ROOT)})")
+    p.add_argument("--output", type=Path, default=None,
+                   help=f"folder for the record (default {TESTS.relative_to(ROOT)})")
     p.add_argument("--dry-run", action="store_true", help="run on MLX's default device, into a temporary folder")
     args = p.parse_args(argv)
     i, k = parse_shard(args.shard)

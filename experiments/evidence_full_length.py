@@ -369,8 +369,8 @@ def equivalence_lines(block: dict) -> list[str]:
     c = block["claim_b"]
     if c is None:
         return []
-    lines = ["", f"Claim (b) by the equivalence test of {', '.join(block['amendments'])} (two one-sided tests: passkey, "
-             "Newcombe's 90% interval inside the margin; perplexity, the ratio inside 1 +- the margin):", "",
+    lines = ["", f"Claim (b) by the equivalence test of {', '.join(block['amendments'])} (two one-sided tests: "
+             "passkey, Newcombe's 90% interval inside the margin; perplexity, the ratio inside 1 +- the margin):", "",
              "| measure | length | PoSE against Full | margin | verdict |", "|---|---|---|---|---|"]
     for t in block["equivalence"]:
         value = (f"{t['difference']:+.3f} ({t['ci90'][0]:+.3f} .. {t['ci90'][1]:+.3f})" if t["measure"] == "passkey"

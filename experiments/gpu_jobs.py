@@ -327,7 +327,8 @@ def run(jobs: list[Job], budget: float, out: Path, roots: list[Path], base: Path
     changed, removed = changes(before, snapshot(roots + keep))
     changed = [p for p in changed if out.resolve() not in p.resolve().parents]
     packed = pack(groups(changed, roots), removed, out, base, OUT_BYTES - LOG_BYTES - 2**18)
-    summary = {"budget": budget, "seconds": round(time.monotonic() - start, 1), "code": code_fingerprint(ROOT), "jobs": ran,
+    summary = {"budget": budget, "seconds": round(time.monotonic() - start, 1), "code": code_fingerprint(ROOT),
+               "jobs": ran,
                "pending_before": pending_before or {e["job"]: e["pending_before"] for e in ran},
                "pending_after": pending_report(report) if report else {e["job"]: e["pending_after"] for e in ran},
                "changed": len(changed), "removed": [str(p.relative_to(base)) for p in removed], **packed}

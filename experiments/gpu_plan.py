@@ -258,7 +258,8 @@ def measurement_jobs(k: int, counts: dict[str, int] | None = None) -> list[PlanJ
     jobs = []
     why = cost_pending()
     if why:
-        cost = PlanJob("cost", "the cost curve on the GPU: each configuration not yet recorded there, 3 updates", lanes=0)
+        cost = PlanJob("cost", "the cost curve on the GPU: each configuration not yet recorded there, 3 updates",
+                       lanes=0)
         for config in why.split(": ", 1)[1].split(", "):
             window = int(config.split(":")[1])
             task = training_task(f"cost {config}", window, 3)
@@ -274,18 +275,19 @@ def measurement_jobs(k: int, counts: dict[str, int] | None = None) -> list[PlanJ
                  "take longer)", lane="train", splittable=False)], lanes=0))
     tests = record["tests"]
     per = tests["seconds"] / (tests["passed"] + tests["failed"] + tests["skipped"])
+    workers = tests["command"].split(" -n ")[-1].split()[0] if " -n " in tests["command"] else "no"
     counts = gpu_tests.collect() if counts is None else counts
     for i, files in enumerate(gpu_tests.shards(counts, k), 1):
         if gpu_tests.shard_pending(i, k):
             n = sum(counts[f] for f in files)
             jobs.append(PlanJob(f"tests {i}/{k}", f"the test suite's shard {i} of {k} ({len(files)} files)", [
-                Task(f"tests {i}/{k}", n * per, f"recorded: {per:.2f} s per test ({tests['command'].split(' -n ')[-1][:2]}"
-                     f" workers, bench_gpu's suite on the {record['device']}) x {n} tests", lane="train",
+                Task(f"tests {i}/{k}", n * per, f"recorded: {per:.2f} s per test ({workers} workers, bench_gpu's "
+                     f"suite on the {record['device']}) x {n} tests", lane="train",
                      splittable=False)], lanes=0))
     return jobs
 
 
-# ------------------------------------------------------------------------------------------ the sessions, on a fake clock
+# ------------------------------------------------------------------------------------------ sessions, on a fake clock
 
 
 def train_lane(job: PlanJob, left: dict, begun: set, t0: float, stop: float) -> tuple[float, dict, list[str]]:

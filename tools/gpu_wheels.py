@@ -15,11 +15,11 @@ versions installed here (mlx-cuda-13's is the one mlx's `cuda13` extra pins), bu
 Linux (`PLATFORMS`); `--data` adds the SmolLM2 GGUF (`tools/fetch_smollm2.py`) and a tar of the host texts the
 evidence protocols read (the reST sources, the license texts, CPython's NEWS); `--state` a tar of the git-ignored
 state an earlier GPU session left to resume from (`experiments.gpu_jobs.resumable`: partial records, what resumes
-an unfinished fine-tuning, the curve's unscored copies), paths relative to the checkout. A file larger than the piece size
-(at most 60 MiB and the call size) is split into equal `NAME.partNN` pieces; the files and pieces are then laid
-out into folders `call1`, `call2`, ... of at most `--call-mib` MiB each (what one call carries beside the
-checkout itself), each with a copy of `manifest.json` (every file's size and SHA-256, and its pieces'). Names are
-letters, digits, '.', '_' and '-' only.
+an unfinished fine-tuning, the curve's unscored copies), paths relative to the checkout. A file larger than the
+piece size (at most 60 MiB and the call size) is split into equal `NAME.partNN` pieces; the files and pieces are
+then laid out into folders `call1`, `call2`, ... of at most `--call-mib` MiB each (what one call carries beside
+the checkout itself), each with a copy of `manifest.json` (every file's size and SHA-256, and its pieces'). Names
+are letters, digits, '.', '_' and '-' only.
 """
 
 from __future__ import annotations
