@@ -176,6 +176,7 @@ class OutOfTime(SystemExit):
 
 
 _deadline: list[float] = []  # time.monotonic() at which run_logged stops its commands; empty: no budget
+_stopped: list[str] = []  # the commands the budget stopped
 
 
 def log_updates(path: Path) -> list[dict]:
@@ -200,10 +201,9 @@ def time_left() -> float | None:
     return _deadline[0] - time.monotonic() if _deadline else None
 
 
-def out_of_time() -> bool:
-    """Whether a budget is set and spent."""
-    left = time_left()
-    return left is not None and left <= 0
+def stopped_by_budget() -> bool:
+    """Whether the budget has stopped (or refused to start) a command of `run_logged` in this process."""
+    return bool(_stopped)
 
 
 def run_logged(cmd: list[str], log: Path, grace: float = 60.0, reserve: float = 0.0) -> float:
@@ -215,6 +215,7 @@ def run_logged(cmd: list[str], log: Path, grace: float = 60.0, reserve: float = 
     left = time_left()
     left = None if left is None else left - reserve
     if left is not None and left <= 0:
+        _stopped.append(cmd[0])
         raise OutOfTime(f"{' '.join(cmd[:1])}: no time left in the budget")
     t0 = time.perf_counter()
     with open(log, "w") as f:
@@ -228,6 +229,7 @@ def run_logged(cmd: list[str], log: Path, grace: float = 60.0, reserve: float = 
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+            _stopped.append(cmd[0])
             raise OutOfTime(f"{' '.join(cmd[:1])} stopped: the budget ran out (what it finished is kept; see {log})")
     if code:
         raise SystemExit(f"{' '.join(cmd)} failed with exit code {code}; see {log}")

@@ -30,8 +30,9 @@ import threading
 from pathlib import Path
 from queue import PriorityQueue
 
-from benchmarks.common import (REAL_MODEL, OutOfTime, corpus, log_peak_bytes, log_updates, model_file, out_of_time,
-                               passkey_command, perplexity_command, ruler_command, set_budget, write_results)
+from benchmarks.common import (REAL_MODEL, OutOfTime, corpus, log_peak_bytes, log_updates, model_file,
+                               passkey_command, perplexity_command, ruler_command, set_budget, stopped_by_budget,
+                               write_results)
 from experiments.evidence_runs import (addendum_arguments, addendum_settings, collect, device, ensure_trained,
                                       model_args, plot_passkey, plot_tests, record_state, records, run_all,
                                       run_recorded, trials, unseen_corpus)
@@ -436,7 +437,7 @@ def main(argv=None) -> int:
         block = report(protocol)
         print(f"wrote full_length to {REAL_MODEL / 'results.json'} and {OUT / 'report.md'}; goals held: "
               f"{[g['held'] for g in block['goals']]}; claim (b): {(block['claim_b'] or {}).get('held')}", flush=True)
-    return (3 if out_of_time() else 1) if failed else 0
+    return (3 if stopped_by_budget() else 1) if failed else 0
 
 
 if __name__ == "__main__":

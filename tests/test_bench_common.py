@@ -86,14 +86,21 @@ def test_own_seconds_of_mlx_lm_come_from_its_report_lines():
     assert common.own_seconds("mlx_lm", {"stdout": stdout}, args, Path(".")) == pytest.approx([1.0, 0.5])
 
 
-def test_run_logged_stops_a_command_when_the_budget_runs_out(tmp_path):
-    """Under a budget the command gets SIGTERM at its end and OutOfTime is raised; with none left it never starts."""
+def test_run_logged_stops_a_command_when_the_budget_runs_out(tmp_path, monkeypatch):
+    """Under a budget the command gets SIGTERM at its end (`reserve` s before it) and OutOfTime is raised, and the
+    process knows a command was stopped; with none left it never starts."""
     import time
 
+    from benchmarks import common
     from benchmarks.common import OutOfTime, run_logged, set_budget
 
+    monkeypatch.setattr(common, "_stopped", [])
     sleeper = ["timeit", "-n", "1", "-r", "1", "import time; time.sleep(60)"]
     try:
+        set_budget(30.0)
+        with pytest.raises(OutOfTime, match="no time left"):
+            run_logged(sleeper, tmp_path / "r.log", reserve=30.0)  # all of it reserved: it does not start
+        assert common.stopped_by_budget()
         set_budget(1.0)
         t0 = time.monotonic()
         with pytest.raises(OutOfTime):
