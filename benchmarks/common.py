@@ -278,13 +278,14 @@ def ruler_command(model: list[str], lengths: str, tasks: str, samples: int, seed
 # ------------------------------------------------------------------------------------------ pose_mlx vs mlx-lm
 
 PROBE = "BLAS_PROBE "
+PEAK = "PEAK_BYTES "  # mlx-lm's MLX peak memory, printed by `DRIVER` when its run ends
 
 #: The child: the BLAS probe (an fp32 1024^2 matmul), then one tool's own command-line entry point.
 DRIVER = r"""
 import json, sys
 import pose_mlx
 from pose_mlx.backend import status
-from benchmarks.common import PROBE, matmul_gflops
+from benchmarks.common import PEAK, PROBE, matmul_gflops
 print(PROBE + json.dumps({"library": status.get("library"), "gflops": matmul_gflops(1024, 5)}), flush=True)
 tool, argv = sys.argv[1], sys.argv[2:]
 if tool == "pose_mlx":
@@ -293,6 +294,8 @@ if tool == "pose_mlx":
 from mlx_lm import lora
 sys.argv = ["mlx_lm.lora", *argv]
 lora.main()
+import mlx.core as mx
+print(PEAK + str(mx.get_peak_memory()), flush=True)
 """
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")

@@ -1,0 +1,180 @@
+"""The exp-heavy parts of a training step on MLX's CPU backend, each way of computing them side by side.
+
+Why `pose_mlx.kernels` is what it is (docs/cpu-training.md): one process, the candidates timed interleaved
+(A, B, C, A, B, C, ...; median of `--reps`), each on the same buffers.
+
+  elementwise  M elements/s of exp over a 16M-element float32 buffer: MLX's `mx.exp` (scalar on x86-64), NumPy's
+               `np.exp`, a polynomial exp written in MLX ops and fused by `mx.compile` (the same formula as the C++
+               kernel), and the C++ kernel (`softmax_rows`, an exp and a sum per element); `mx.multiply` as the
+               memory-bound yardstick; SiLU * up: `nn.silu(g) * u` against the C++ `swiglu`
+  attention    forward + backward of one SmolLM2-135M attention layer (9 query heads, 3 KV heads, head dim 64),
+               causal, at `--lengths` tokens: MLX's `scaled_dot_product_attention` (unfused on the CPU: L x L
+               scores kept), `pose_mlx.eval.cpu_attention` (NumPy tiles behind `mx.custom_function`, evaluated
+               inside the gradient trace), and `pose_mlx.kernels.attention` with the C++ row kernels and with MLX
+               ops; seconds and peak bytes (evaluated in order, as training does)
+  loss         forward + backward of the cross-entropy of `--lengths` rows over SmolLM2's 49,152-piece head:
+               MLX's whole-logits loss against `pose_mlx.kernels.loss` (chunks; C++ and MLX ops)
+
+Writes benchmarks/results/cpu_kernels.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+import pose_mlx  # noqa: F401  (the fast BLAS before mlx.core)
+import mlx.core as mx
+import mlx.nn as nn
+
+from pose_mlx.backend import status as blas_status
+from pose_mlx.eval import cpu_attention
+from pose_mlx.kernels import attention as blocked
+from pose_mlx.kernels import build, loss, route, rows
+
+from benchmarks.common import matmul_gflops, write_results
+
+HEADS, KV_HEADS, HEAD_DIM, HIDDEN, VOCAB = 9, 3, 64, 576, 49152
+
+
+def interleaved(cases: dict, reps: int) -> dict:
+    """{name: median seconds} of each callable (which evaluates its own work), run A, B, C, A, B, C, ..."""
+    for fn in cases.values():
+        fn()
+    times = {name: [] for name in cases}
+    for _ in range(reps):
+        for name, fn in cases.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def peak_bytes(fn) -> int:
+    """Peak bytes beyond what was allocated before `fn()` runs, in MLX's order without running ahead."""
+    mx.synchronize()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    with route.in_order():
+        fn()
+    return int(mx.get_peak_memory() - base)
+
+
+def fused_exp():
+    """exp(x) in MLX ops, fused by mx.compile: the C++ kernel's polynomial and 2^n from the exponent bits."""
+    def exp(x):
+        xc = mx.clip(x, -87.33654, 88.72283)
+        n = mx.floor(xc * 1.44269504088896341 + 0.5)
+        r = xc - n * 0.693359375 + n * 2.12194440e-4
+        p = 1.9875691500e-4
+        for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+            p = p * r + c
+        p = p * r * r + r + 1.0
+        scale = mx.left_shift(n.astype(mx.int32) + 127, 23).view(mx.float32)
+        return mx.where(x < -87.33654, 0.0, p * scale)
+
+    return mx.compile(exp)
+
+
+def elementwise(reps: int) -> dict:
+    n = 1 << 24
+    x = mx.random.normal((n // 4096, 4096)) * 4
+    g, u = mx.random.normal((n // 4096, 4096)), mx.random.normal((n // 4096, 4096))
+    mx.eval(x, g, u)
+    xn = np.array(x)
+    compiled = fused_exp()
+    kernels = rows.native(x)
+    cases = {
+        "mx.exp": lambda: mx.eval(mx.exp(x)),
+        "mx.multiply": lambda: mx.eval(x * x),
+        "np.exp": lambda: np.exp(xn),
+        "compiled polynomial exp": lambda: mx.eval(compiled(x)),
+        "nn.silu(g) * u": lambda: mx.eval(nn.silu(g) * u),
+    }
+    if kernels is not None:
+        cases["C++ softmax_rows (exp and sum)"] = lambda: mx.eval(kernels.softmax_rows(x, False, 0, 1))
+        cases["C++ swiglu"] = lambda: mx.eval(kernels.swiglu(g, u))
+    seconds = interleaved(cases, reps)
+    exact = float(mx.max(mx.abs(compiled(x) - mx.exp(x)) / mx.maximum(mx.exp(x), 1e-30)).item())
+    return {"elements": n, "seconds": seconds, "m_elements_per_s": {k: n / s / 1e6 for k, s in seconds.items()},
+            "compiled_polynomial_max_relative_error": exact}
+
+
+def _without_native(fn):
+    """`fn` with the row kernels in MLX ops (what runs where the C++ kernels are not built)."""
+    def run():
+        saved = rows.native
+        rows.native = lambda *arrays: None
+        try:
+            return fn()
+        finally:
+            rows.native = saved
+    return run
+
+
+def attention_cases(length: int) -> dict:
+    keys = mx.random.split(mx.random.key(length), 4)
+    q = mx.random.normal((1, HEADS, length, HEAD_DIM), key=keys[0])
+    k, v = (mx.random.normal((1, KV_HEADS, length, HEAD_DIM), key=key) for key in keys[1:3])
+    cot = mx.random.normal((1, HEADS, length, HEAD_DIM), key=keys[3])
+    mx.eval(q, k, v, cot)
+    scale = HEAD_DIM ** -0.5
+
+    def step(attend):
+        return lambda: mx.eval(mx.vjp(lambda a, b, c: attend(a, b, c), [q, k, v], [cot]))
+
+    return {
+        "mlx": step(lambda a, b, c: mx.fast.scaled_dot_product_attention(a, b, c, scale=scale, mask="causal")),
+        "numpy custom_function": step(lambda a, b, c: cpu_attention.attention(a, b, c, scale, "causal")),
+        "blocked, C++ rows": step(lambda a, b, c: blocked.attention(a, b, c, scale, "causal")),
+        "blocked, MLX-op rows": _without_native(step(lambda a, b, c: blocked.attention(a, b, c, scale, "causal"))),
+    }
+
+
+def loss_cases(length: int) -> dict:
+    keys = mx.random.split(mx.random.key(length + 1), 3)
+    h = mx.random.normal((length, HIDDEN), key=keys[0])
+    w = mx.random.normal((VOCAB, HIDDEN), key=keys[1]) * 0.05
+    t, weights = mx.random.randint(0, VOCAB, (length,), key=keys[2]), mx.ones((length,))
+    mx.eval(h, w, t, weights)
+
+    def whole(a):
+        return (nn.losses.cross_entropy((a @ w.T).astype(mx.float32), t) * weights).sum()
+
+    def chunked(a):
+        return loss.chunked_cross_entropy(a, w, t, weights, gradient=True)
+
+    return {"mlx whole logits": lambda: mx.eval(mx.grad(whole)(h)),
+            "chunked, C++ rows": lambda: mx.eval(mx.grad(chunked)(h)),
+            "chunked, MLX-op rows": _without_native(lambda: mx.eval(mx.grad(chunked)(h)))}
+
+
+def measured(make_cases, lengths: list[int], reps: int) -> dict:
+    out = {}
+    for length in lengths:
+        cases = make_cases(length)
+        seconds = interleaved(cases, reps)
+        out[str(length)] = {name: {"seconds": seconds[name], "peak_bytes": peak_bytes(fn)} for name, fn in cases.items()}
+    return out
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", default="1024,4096", help="tokens of the attention and loss cases")
+    parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions per case (median)")
+    args = parser.parse_args(argv)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    build.load()
+    results = {"kernels": dict(build.status), "blas": dict(blas_status), "matmul_gflops_before": matmul_gflops()}
+    results["elementwise"] = elementwise(args.reps)
+    results["attention"] = measured(attention_cases, lengths, args.reps)
+    results["loss"] = measured(loss_cases, lengths, args.reps)
+    results["matmul_gflops_after"] = matmul_gflops()
+    print(write_results("cpu_kernels", results))
+
+
+if __name__ == "__main__":
+    main()

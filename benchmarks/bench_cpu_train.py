@@ -1,0 +1,251 @@
+"""CPU fine-tuning of SmolLM2-135M: `python -m pose_mlx.finetune` against `mlx_lm lora`, side by side, one run.
+
+    python -m benchmarks.bench_cpu_train [--configs pose-1k,pose-2k,full-8k,full-16k] [--budget SECONDS]
+                                         [--report-only]
+
+Both tools run as their real command lines in child processes (`benchmarks.common.run_tool`: the same BLAS, loaded
+by `import pose_mlx` in both, its fp32 matmul rate probed in each child) on the same model folder (the GGUF
+dequantized to float32 by `python -m pose_mlx.convert`), the same documents (an mlx-lm data folder of Python's
+reST documentation joined into ~20k-token documents) and the same rows (1 per update, LoRA rank 8, scale 20, in
+every block). The configurations:
+
+    pose-1k / pose-2k   PoSE at a window of 1,024 / 2,048 tokens (8k -> 32k, YaRN); mlx-lm trains rows of the
+                        same length at positions 0 .. L-1. No gradient checkpointing in either.
+    full-8k / full-16k  one full-length row of 8,192 / 16,384 tokens (`--sampler full`, target = the row, original
+                        half of it: the cost does not depend on the scaling); mlx-lm the same row length. Gradient
+                        checkpointing in both. mlx-lm runs only where `pose_mlx.plan --kernels mlx` (MLX's own
+                        attention and loss, what mlx-lm computes) says the row fits in this machine's memory.
+
+Rounds are interleaved (pose_mlx, mlx-lm, then mlx-lm first in the next round). An update's seconds are the wall
+time between consecutive updates' reports, for updates 2 .. steps-1 (the first holds compilation, the last
+mlx-lm's final save), median over every timed update of the configuration; tokens/s = row inputs / that; MFU
+(PaLM's convention, as bench_mfu) = (6 P T + 12 layers hidden S T) / seconds / peak, T the row's inputs, S its
+length, P the parameters (tied embeddings once), peak the fp32 matmul rate this process measures before and after
+each configuration (their mean). Peak memory: pose_mlx's log (largest over the updates); mlx-lm's
+`mx.get_peak_memory()` at the end of its run. Losses: each tool's per-update training loss.
+
+Each finished (configuration, round, tool) is appended to `results/cpu_train.jsonl` as it completes: a stopped run
+(`--budget`, Ctrl-C, a kill) continues where it stopped; `--report-only` rebuilds the record and the plot from it.
+Writes results/cpu_train.json and results/cpu_train.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks.common import (DOCS, PEAK, RESULTS_DIR, OutOfTime, child_env, matmul_gflops, model_file, periods,
+                               run_tool, set_budget, time_left, write_results)
+
+RAW = RESULTS_DIR / "cpu_train.jsonl"
+WORK = Path(tempfile.gettempdir()) / "pose_mlx_bench_cpu_train"
+#: name -> (sampler, row tokens, grad checkpoint, steps per run, rounds)
+CONFIGS = {
+    "pose-1k": ("pose", 1024, False, 6, 3),
+    "pose-2k": ("pose", 2048, False, 5, 2),
+    "full-8k": ("full", 8192, True, 4, 1),
+    "full-16k": ("full", 16384, True, 4, 1),
+}
+RANK, SCALE, DOC_CHARS = 8, 20.0, 90_000
+MLX_LM_LOSS = re.compile(r"^\s*(\d+)\s+([\d.]+)\s*[\u25bc\u25b2]")
+
+
+def inputs(work: Path) -> tuple[Path, Path]:
+    """The float32 model folder and the mlx-lm data folder (train.jsonl, valid.jsonl), made once."""
+    model, data = work / "model", work / "data"
+    if not (model / "config.json").is_file():
+        subprocess.run([sys.executable, "-m", "pose_mlx.convert", str(model_file()), str(model)], check=True,
+                       env=child_env())
+    if not (data / "train.jsonl").is_file():
+        text = "\n\n".join(p.read_text(errors="replace") for p in sorted(Path(DOCS).rglob("*.txt")))
+        docs = [text[i:i + DOC_CHARS] for i in range(0, len(text) - DOC_CHARS, DOC_CHARS)][:40]
+        data.mkdir(parents=True, exist_ok=True)
+        for name, part in (("train", docs[:32]), ("valid", docs[32:])):
+            (data / f"{name}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in part))
+    return model, data
+
+
+def pose_argv(config: str, model: Path, data: Path, work: Path, kernels: str = "auto") -> list[str]:
+    sampler, row, checkpoint, steps, _ = CONFIGS[config]
+    original = 8192 if sampler == "pose" else row // 2
+    target = 32768 if sampler == "pose" else row
+    return ["--model", str(model), "--data", str(data), "--original", str(original), "--target", str(target),
+            "--window", str(row if sampler == "pose" else 1024), "--sampler", sampler, "--schedule", "yarn",
+            "--lora-rank", str(RANK), "--lora-scale", str(SCALE), "--lora-layers", "-1", "--batch-size", "1",
+            "--steps", str(steps), "--warmup", "1", "--lr", "1e-5", "--save-every", "0", "--kernels", kernels,
+            "--output", str(work / "pose_out"), "--cache-dir", str(work / "cache"), "--overwrite",
+            *(["--grad-checkpoint"] if checkpoint else [])]
+
+
+def mlx_lm_argv(config: str, model: Path, data: Path, work: Path) -> list[str]:
+    _, row, checkpoint, steps, _ = CONFIGS[config]
+    (work / "lora.yaml").write_text(f"lora_parameters:\n  rank: {RANK}\n  scale: {SCALE}\n  dropout: 0.0\n")
+    return ["--model", str(model), "--train", "--data", str(data), "--fine-tune-type", "lora", "--num-layers", "-1",
+            "--batch-size", "1", "--max-seq-length", str(row), "--iters", str(steps), "--learning-rate", "1e-5",
+            "--steps-per-report", "1", "--steps-per-eval", "1000000", "--val-batches", "1", "--save-every", "1000000",
+            "--adapter-path", str(work / "mlx_lm_out"), "--config", str(work / "lora.yaml"),
+            *(["--grad-checkpoint"] if checkpoint else [])]
+
+
+def mlx_lm_fits(config: str, model: Path, data: Path, work: Path) -> dict:
+    """`pose_mlx.plan --kernels mlx` for the row (MLX's own attention and loss, as mlx-lm trains)."""
+    out = subprocess.run([sys.executable, "-m", "pose_mlx.plan", *pose_argv(config, model, data, work, "mlx"),
+                          "--json"], capture_output=True, text=True, env=child_env())
+    if out.returncode:
+        raise SystemExit(f"pose_mlx.plan failed: {out.stderr.strip()}")
+    plan = json.loads(out.stdout)
+    return {"predicted_bytes": plan["peak_bytes"], "fits": plan["fits"]}
+
+
+class _Args:
+    threads = 0  # BLAS threads left as the library sets them: both tools use the whole machine
+
+
+def one_run(tool: str, config: str, model: Path, data: Path, work: Path) -> dict:
+    """Run `tool` on `config` once; its update seconds, CPU seconds, peak bytes and losses."""
+    from benchmarks.common import DRIVER
+
+    steps = CONFIGS[config][3]
+    argv = pose_argv(config, model, data, work) if tool == "pose_mlx" else mlx_lm_argv(config, model, data, work)
+    result = run_tool([sys.executable, "-c", DRIVER, tool, *argv], tool, _Args(), timeout=time_left(),
+                      log=work / "logs" / f"{config}-{tool}.log")
+    spans = periods(result["marks"], steps)
+    record = {"seconds": spans["wall"], "cpu_seconds": spans["cpu"], "blas_gflops": result["probe"]["gflops"],
+              "blas": result["probe"]["library"]}
+    if tool == "pose_mlx":
+        log = [json.loads(line) for line in (work / "pose_out" / "train_log.jsonl").read_text().splitlines()]
+        record.update(peak_bytes=max(r["peak_memory_gb"] for r in log) * 2**30, losses=[r["loss"] for r in log],
+                      tokens=log[-1]["tokens"])
+    else:
+        peaks = [int(line[len(PEAK):]) for line in result["stdout"].splitlines() if line.startswith(PEAK)]
+        losses = [float(m.group(2)) for m in map(MLX_LM_LOSS.match, result["stdout"].splitlines()) if m]
+        record.update(peak_bytes=peaks[-1] if peaks else None, losses=losses)
+    return record
+
+
+def done_runs() -> list[dict]:
+    return [json.loads(line) for line in RAW.read_text().splitlines() if line.strip()] if RAW.exists() else []
+
+
+def measure(configs: list[str], work: Path) -> None:
+    """Run what `RAW` does not hold yet, appending each finished run."""
+    model, data = inputs(work)
+    done = {(r["config"], r["round"], r["tool"]) for r in done_runs()}
+    for config in configs:
+        fits = mlx_lm_fits(config, model, data, work)
+        tools = ["pose_mlx", "mlx_lm"] if fits["fits"] else ["pose_mlx"]
+        for round_ in range(CONFIGS[config][4]):
+            order = tools if round_ % 2 == 0 else tools[::-1]
+            for tool in order:
+                if (config, round_, tool) in done:
+                    continue
+                before = matmul_gflops()
+                record = one_run(tool, config, model, data, work)
+                record.update(config=config, round=round_, tool=tool, peak_gflops=(before + matmul_gflops()) / 2,
+                              mlx_lm_plan=fits)
+                with open(RAW, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+                print(f"{config} round {round_} {tool}: {statistics.median(record['seconds']):.2f} s per update, "
+                      f"peak {record['peak_bytes'] / 2**30 if record['peak_bytes'] else float('nan'):.2f} GiB",
+                      flush=True)
+
+
+def model_flops(config: str, model: Path) -> tuple[float, int]:
+    """(PaLM's FLOPs of one update, row inputs T) of the model folder's config."""
+    import pose_mlx  # noqa: F401
+    from pose_mlx.memory import architecture
+
+    arch = architecture(json.loads((model / "config.json").read_text()))
+    params = arch.parameter_counts()["total"]
+    row = CONFIGS[config][1]
+    tokens = row - 1
+    return 6 * params * tokens + 12 * arch.layers * arch.hidden * tokens * tokens, tokens
+
+
+def summary(runs: list[dict], model: Path) -> dict:
+    """Per configuration and tool: seconds per update, tokens/s, MFU, peak, losses; and the ratios."""
+    out = {}
+    for config in CONFIGS:
+        mine = [r for r in runs if r["config"] == config]
+        if not mine:
+            continue
+        flops, tokens = model_flops(config, model)
+        entry = {"tokens_per_update": tokens, "flops_per_update": flops}
+        for tool in ("pose_mlx", "mlx_lm"):
+            theirs = [r for r in mine if r["tool"] == tool]
+            if not theirs:
+                entry[tool] = {"not_run": "mlx-lm's row does not fit in this machine's memory (pose_mlx.plan "
+                                          "--kernels mlx)"} if tool == "mlx_lm" else None
+                continue
+            seconds = statistics.median(s for r in theirs for s in r["seconds"])
+            peak = statistics.mean(r["peak_gflops"] for r in theirs) * 1e9
+            entry[tool] = {"seconds_per_update": seconds, "tokens_per_s": tokens / seconds, "mfu": flops / seconds / peak,
+                           "peak_gflops": peak / 1e9, "peak_bytes": max((r["peak_bytes"] or 0) for r in theirs) or None,
+                           "losses": [r["losses"] for r in theirs], "runs": len(theirs)}
+            cpu = [s for r in theirs for s in (r["cpu_seconds"] or [])]
+            entry[tool]["cpu_seconds_per_update"] = statistics.median(cpu) if cpu else None
+        if isinstance(entry.get("mlx_lm"), dict) and "seconds_per_update" in entry["mlx_lm"]:
+            entry["speedup"] = entry["mlx_lm"]["seconds_per_update"] / entry["pose_mlx"]["seconds_per_update"]
+        out[config] = entry
+    return out
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = list(results)
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    for i, tool in enumerate(("pose_mlx", "mlx_lm")):
+        x = [j + (i - 0.5) * 0.38 for j in range(len(configs))]
+        for ax, key, scale in ((axes[0], "seconds_per_update", 1), (axes[1], "mfu", 100),
+                               (axes[2], "peak_bytes", 2**-30)):
+            values = [(results[c].get(tool) or {}).get(key) for c in configs]
+            ax.bar([a for a, v in zip(x, values) if v], [v * scale for v in values if v], width=0.38,
+                   label="pose_mlx" if tool == "pose_mlx" else "mlx_lm lora")
+    for ax, title in zip(axes, ("seconds per update (log)", "MFU, % of the matmul peak", "peak memory, GiB")):
+        ax.set_title(title)
+        ax.set_xticks(range(len(configs)), configs)
+    axes[0].set_yscale("log")
+    axes[0].legend()
+    fig.suptitle("SmolLM2-135M LoRA fine-tuning on this CPU: pose_mlx vs mlx_lm lora (not run: does not fit)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"some of {', '.join(CONFIGS)}")
+    parser.add_argument("--budget", type=float, help="stop (keeping what finished) after this many seconds")
+    parser.add_argument("--work", type=Path, default=WORK, help="model, data and run folders (kept for a re-run)")
+    parser.add_argument("--report-only", action="store_true", help="rebuild the record and plot from the .jsonl")
+    args = parser.parse_args(argv)
+    configs = [c.strip() for c in args.configs.split(",")]
+    if unknown := [c for c in configs if c not in CONFIGS]:
+        raise SystemExit(f"--configs: unknown {', '.join(unknown)} (choose from {', '.join(CONFIGS)})")
+    set_budget(args.budget)
+    if not args.report_only:
+        try:
+            measure(configs, args.work)
+        except (OutOfTime, TimeoutError) as stopped:
+            print(f"stopped: {stopped}; run again to continue", file=sys.stderr)
+    model, _ = inputs(args.work)
+    results = summary(done_runs(), model)
+    from pose_mlx.kernels import build
+
+    build.load()
+    print(write_results("cpu_train", {"configs": results, "kernels": dict(build.status), "rank": RANK,
+                                      "scale": SCALE}))
+    plot(results, RESULTS_DIR / "cpu_train.png")
+
+
+if __name__ == "__main__":
+    main()
