@@ -17,6 +17,7 @@ import argparse
 import errno
 import functools
 import os
+import re
 import select
 import sys
 from typing import Callable
@@ -58,11 +59,22 @@ def one_line(message: object) -> str:
     return " ".join(str(message).split())
 
 
+#: The end of a description that names its own command: ": `python -m pose_mlx.X ...`." (see `ArgumentParser`).
+_OWN_COMMAND = re.compile(r":\s*`python -m [^`]*`\.?\s*$")
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose errors (unknown flag, bad value, missing argument) raise `UserError` instead of printing
     the whole usage block and exiting, and which refuses an argument that is not valid UTF-8 (bytes the
     interpreter could only decode as surrogates: such a path could not be written into the JSON, logs and
-    messages the commands write). What follows a `--` is passed on untouched (`pose_mlx.launch`'s command)."""
+    messages the commands write). What follows a `--` is passed on untouched (`pose_mlx.launch`'s command).
+    A description that ends by naming its own command (a module docstring's first line, "...: `python -m
+    pose_mlx.passkey`.") ends at the sentence instead: the usage line above it names the command."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.description:
+            self.description = _OWN_COMMAND.sub(".", self.description)
 
     def parse_known_args(self, args=None, namespace=None):
         args = sys.argv[1:] if args is None else list(args)

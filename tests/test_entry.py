@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import importlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -84,6 +85,20 @@ def test_console_scripts_declared_in_pyproject_resolve():
 def test_every_listed_command_has_a_main(name):
     module = importlib.import_module(entry.COMMANDS[name][0])
     assert callable(module.main)
+
+
+@pytest.mark.parametrize("name", list(entry.COMMANDS))
+def test_no_help_text_ends_a_paragraph_by_naming_its_own_command(name, capsys):
+    """`--help` of passkey read "Passkey retrieval ... at several context lengths: `python -m
+    pose_mlx.passkey`." under a usage line that already says the command: no paragraph of a command's help ends
+    with its own `python -m` line."""
+    module = entry.COMMANDS[name][0].removesuffix(".__main__")
+    with pytest.raises(SystemExit) as done:
+        importlib.import_module(entry.COMMANDS[name][0]).main(["--help"])
+    assert done.value.code == 0
+    paragraphs = [" ".join(p.split()) for p in capsys.readouterr().out.split("\n\n")]
+    own = re.compile(rf"python -m {re.escape(module)}\b[^`]*`?\.?$")  # also "...: `python -m X -n N ...`."
+    assert paragraphs[1:] and not [p for p in paragraphs[1:] if own.search(p)]  # [0]: the usage line
 
 
 def run_into_closed_pipe(*argv):
