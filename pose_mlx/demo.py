@@ -45,6 +45,7 @@ from .plots import panels, trials_note
 from .rope import SCHEDULE_NAMES
 from .settings import RUN_FILE, Invocation, RunSettings, load_run_file, validate
 from .sim import SHIPPED_BASE, finetune_data
+from .words import counted
 
 PRETRAINED = SHIPPED_BASE
 #: In --out: what the corpus of the finished fine-tuning was made from (`corpus_record`).
@@ -236,7 +237,7 @@ def main(argv=None) -> int:
         results[runs[key]] = {r.length: r.ppl for r in scored}
     print("\nperplexity by evaluation length (lower is better):")
     print(_table(results, lengths))
-    print(f"[4/4] passkey retrieval, {args.passkey_trials} trials per length")
+    print(f"[4/4] passkey retrieval, {counted(args.passkey_trials, 'trial')} per length")
     accuracy = {}
     models["original"] = {"model": str(model), "schedule": "none", "target": str(target)}
     for key, extra in models.items():

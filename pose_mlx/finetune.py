@@ -24,6 +24,7 @@ from .errors import command
 from .evidence import pointer
 from .memory import format_size
 from .settings import parse_invocation
+from .words import counted
 
 # Imported inside functions, on purpose: the package's MLX-backed modules, each where it is used: they are costly to
 # import or unneeded on the paths that import this module (`--help`, `plan`, the NumPy-only parts).
@@ -40,14 +41,15 @@ def header(plan) -> str:
     if s.sampler == "none":
         lines.append(f"schedule {s.schedule}, sampler none: no training, the extended model is exported")
     else:
-        sampler = f"{s.sampler} ({s.chunks} chunks)" if s.sampler in ("pose", "pose-ref") else s.sampler
-        blocks = "all" if plan.lora is None or plan.lora.num_layers < 0 else plan.lora.num_layers
-        mode = "full fine-tuning" if plan.lora is None else f"LoRA rank {plan.lora.rank} on {blocks} blocks"
+        sampler = f"{s.sampler} ({counted(s.chunks, 'chunk')})" if s.sampler in ("pose", "pose-ref") else s.sampler
+        blocks = ("all blocks" if plan.lora is None or plan.lora.num_layers < 0
+                  else counted(plan.lora.num_layers, "block"))
+        mode = "full fine-tuning" if plan.lora is None else f"LoRA rank {plan.lora.rank} on {blocks}"
         batch = f"batch {s.batch_size}" + (f" x {s.grad_accum} accumulated" if s.grad_accum > 1 else "")
         ranks = f" x {plan.world.size} ranks" if plan.world.size > 1 else ""
         schedule = f"{s.schedule} (at export)" if s.sampler == "plain" else s.schedule
         lines.append(f"schedule {schedule}, sampler {sampler}, {mode}, {plan.example_length}-token rows, "
-                     f"{batch}{ranks}, {s.steps} steps at lr {s.lr:g}")
+                     f"{batch}{ranks}, {counted(s.steps, 'step')} at lr {s.lr:g}")
         lines.append(cost(plan))
     peak = ""
     if plan.memory_plan is not None:

@@ -46,6 +46,7 @@ from .settings import (RUN_FILE, Invocation, RunSettings, build_parser, parse_in
 from .training.distributed import World, init as init_world
 from .training.lora import LoraSpec
 from .training.reading import check_readable
+from .words import counted
 
 FINISHED_MARK = source.SCHEDULE_FILE  # a finished output holds pose_mlx.json
 UNFINISHED_MARK = RUN_FILE  # a run folder holds run.json
@@ -144,7 +145,7 @@ def _claim_run_folder(plan: RunPlan) -> None:
             _reopen_run_folder(plan)
         ranks = saved_world_size(plan.partial)
         if ranks != plan.world.size:
-            raise UserError(f"--resume: the interrupted run had {ranks} ranks (mlx.launch -n), this one has "
+            raise UserError(f"--resume: the interrupted run had {counted(ranks, 'rank')} (mlx.launch -n), this one has "
                             f"{plan.world.size}; its batches cannot be continued with another count")
     else:
         shutil.rmtree(plan.partial, ignore_errors=True)
@@ -350,7 +351,7 @@ _ROWS = (
 
 def _describe_run(s: memory.TrainSettings, plan: memory.Plan) -> str:
     d = plan.estimate.details
-    mode = (f"LoRA rank {s.lora_rank} on {d['trained_blocks']} blocks" if s.lora else "full fine-tuning")
+    mode = (f"LoRA rank {s.lora_rank} on {counted(d['trained_blocks'], 'block')}" if s.lora else "full fine-tuning")
     sampler = (f"full-length rows of {s.target} tokens" if s.sampler == "full"
                else f"{s.sampler} window {s.window}" + (f" (target {s.target})" if s.target else ""))
     extras = [f"batch {s.batch_size}" + (f" x {s.grad_accum} accumulated" if s.grad_accum > 1 else ""),

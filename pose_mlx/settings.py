@@ -34,6 +34,7 @@ from .places import check_output
 from .rope import SCHEDULES, scaled_inv_freq, schedule_parameters
 from .setting_fields import (ALIGN_ROWS, RUN_SAMPLERS, Flag, Invocation, Rule, RunSettings, flags_of, kind_of,
                              setting)
+from .words import counted
 
 RUN_FILE = "run.json"
 #: Settings that may differ between a run and its --resume without changing what the run computes.
@@ -363,7 +364,7 @@ def _finished_run(output: Path, steps: int | None) -> Path:
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
         raise UserError(f"--resume: {state} is damaged; the output folder is complete, nothing to resume") from None
     if steps is None or steps <= trained:
-        raise UserError(f"output folder {output} is already complete ({trained} steps); nothing to resume: pass "
+        raise UserError(f"output folder {output} is already complete ({counted(trained, 'step')}); nothing to resume: pass "
                         f"--steps above {trained} with --resume to train it longer")
     return output / RUN_FILE
 

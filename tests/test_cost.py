@@ -94,7 +94,7 @@ def test_commands_say_what_will_run_before_they_start(tiny, tmp_path, capsys):
                             "--docs", "1", "--output", str(tmp_path / "p.json"), "--no-progress"]) == 0
     [plan] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("perplexity: ")]
     windows = {64: 1 + -(-(127 - 63) // 32), 128: 1}  # 127 tokens scored: windows of 63 inputs every 32, then one
-    assert plan == (f"perplexity: {sum(windows.values())} windows of 1 documents at 64, 128 tokens: "
+    assert plan == (f"perplexity: {sum(windows.values())} windows of 1 document at 64, 128 tokens: "
                     f"{windows[64] * 64 + 128:,} tokens")
 
 

@@ -25,6 +25,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_p
 from . import haystack, longctx
 from ..errors import UserError, command
 from ..resumable import RecordLog
+from ..words import counted
 from .cost import Compute, WorkBar, shared_prefix
 from .opening import open_evaluation
 
@@ -176,7 +177,8 @@ def run_passkey(model, tokenizer, lengths: list[int], trials: int, depths: int |
     generator = PrefixCachedGenerator(model, chunk, reuse)
     kept = shared_prefix([(n, d) for n, d, _ in plan]) if generator.reuse else [0] * len(plan)
     works = [(compute or Compute.tokens_only()).generation(n, k, MAX_NEW_TOKENS) for (n, _, _), k in zip(plan, kept)]
-    print(f"passkey: {len(plan)} trials ({trials} at each of {', '.join(map(str, sorted(set(lengths))))} tokens): "
+    print(f"passkey: {counted(len(plan), 'trial')} ({trials} at each of {', '.join(map(str, sorted(set(lengths))))} "
+          "tokens): "
           f"{sum(n for n, _, _ in plan):,} prompt tokens, about {sum(n for n, _, _ in plan) - sum(kept):,} of them "
           "computed (the rest shared with the prompt before)", file=sys.stderr)
     finished = {(t.length, t.depth, t.key): t for t in done}
@@ -313,7 +315,7 @@ def run(args: PasskeySettings) -> list[dict]:
                                         compute=opening.compute())
     accuracy = accuracy_by_length(trials)
     total = sum(t.prompt_tokens for t in trials)
-    print(f"passkey retrieval, {args.trials} trials per length, greedy answer of <= {MAX_NEW_TOKENS} tokens, "
+    print(f"passkey retrieval, {counted(args.trials, 'trial')} per length, greedy answer of <= {MAX_NEW_TOKENS} tokens, "
           f"correct = first integer equals the key ({generator.computed}/{total} prompt tokens computed, "
           "the rest reused from the KV cache)")
     print(format_table(accuracy))

@@ -23,6 +23,7 @@ import numpy as np
 from . import longctx
 from ..errors import UserError, command
 from ..lengths import tokens
+from ..words import counted
 from ..training.data import chat_renderer, read_documents  # a text file, a .jsonl file, a folder of them, or a hub dataset
 from .cost import Compute, WorkBar
 from .opening import open_evaluation
@@ -95,7 +96,8 @@ def perplexity(model, documents: list[list[int]], lengths: list[int], stride: in
     windows = [w.stop - w.start + 1 for length in lengths for doc in documents
                for w in window_plan(len(doc), length, stride)]
     works = [(compute or Compute.tokens_only()).prefill(n, 0, n) for n in windows]
-    print(f"perplexity: {len(windows)} windows of {len(documents)} documents at {', '.join(map(str, lengths))} "
+    print(f"perplexity: {counted(len(windows), 'window')} of {counted(len(documents), 'document')} at "
+          f"{', '.join(map(str, lengths))} "
           f"tokens: {sum(windows):,} tokens", file=sys.stderr)
     results, index = [], iter(range(len(windows)))
     with WorkBar("perplexity", works, "window", show_progress) as bar:
@@ -202,14 +204,15 @@ def run(args: PerplexitySettings) -> list[LengthResult]:
                         f"({max(lengths) - 1} after BOS)")
     docs = load_documents(args.data, info.tokenizer, min_tokens, args.docs, truncate)
     if len(docs) < args.docs:
-        print(f"note: {len(docs)} document(s) of --data have at least {min_tokens} tokens, fewer than the --docs "
+        print(f"note: {counted(len(docs), 'document')} of --data {'has' if len(docs) == 1 else 'have'} at least "
+              f"{min_tokens} tokens, fewer than the --docs "
               f"{args.docs} asked for; scoring those", file=sys.stderr)
     bos = longctx.bos_id(info.tokenizer)
     out = opening.announce(details=(Path(str(args.data).rstrip("/")).stem,))
     with opening.held():
         results = perplexity(info.model, docs, lengths, args.stride, bos, args.chunk, not args.no_progress,
                              opening.compute())
-    print(f"{METRIC}; stride {args.stride}; {len(docs)} documents")
+    print(f"{METRIC}; stride {args.stride}; {counted(len(docs), 'document')}")
     print(format_table(info.label, results))
     out.parent.mkdir(parents=True, exist_ok=True)
     record = {"model": info.path, "schedule": info.schedule, "metric": METRIC, "stride": args.stride,

@@ -42,6 +42,7 @@ from .haystack import essay_text
 from .opening import open_evaluation
 from .passkey import PrefixCachedGenerator
 from .ruler_tasks import DEPTH_MODES, TASKS, PromptBuilder, PromptTooShort, parse_tasks
+from ..words import counted
 
 DEFAULT_THRESHOLD = 0.856  # Llama-2-7B's RULER average at 4k (Hsieh et al., 2024)
 DEFAULT_SAMPLES = 10
@@ -207,7 +208,7 @@ def planned_work(builder: PromptBuilder, plan: list[tuple[str, int, int]], compu
     works = [compute.generation(length, k, max_new_tokens or TASKS[task].max_new_tokens)
              for (task, length, _), k in zip(plan, kept)]
     tokens = sum(length for _, length, _ in plan)
-    print(f"ruler: {len(plan)} samples ({len({t for t, _, _ in plan})} tasks at "
+    print(f"ruler: {counted(len(plan), 'sample')} ({counted(len({t for t, _, _ in plan}), 'task')} at "
           f"{', '.join(map(str, sorted({n for _, n, _ in plan})))} tokens): {tokens:,} prompt tokens, about "
           f"{tokens - sum(kept):,} of them computed (the rest shared with the prompt before)", file=sys.stderr)
     return works
@@ -350,7 +351,7 @@ def check_lengths(builder: PromptBuilder, tasks: list[str], lengths: list[int]) 
     if short:
         named = [f"{task} at {', '.join(str(e.length) for e in errs)} (its template and needles take "
                  f"{errs[-1].tokens})" for task, errs in short.items()]
-        raise UserError(f"--lengths: too short for {len(short)} of {len(tasks)} tasks: {'; '.join(named)}; use "
+        raise UserError(f"--lengths: too short for {len(short)} of {counted(len(tasks), 'task')}: {'; '.join(named)}; use "
                         "longer --lengths or drop these from --tasks")
 
 
@@ -388,7 +389,7 @@ def run(args: RulerSettings) -> RulerRun:
         scored = run_ruler(info.model, info.tokenizer, lengths, tasks, args.samples, args.seed, chunk=args.chunk,
                            max_new_tokens=args.max_new_tokens, show_progress=not args.no_progress, builder=builder,
                            done=done, on_record=log.append, compute=opening.compute())
-    print(f"RULER synthetic tasks, {args.samples} samples per task and length, greedy answers; score = fraction of "
+    print(f"RULER synthetic tasks, {counted(args.samples, 'sample')} per task and length, greedy answers; score = fraction of "
           f"the references found in the output (case-insensitive), mean over samples ({scored.computed_tokens}/"
           f"{scored.prompt_tokens} prompt tokens computed, the rest reused from the KV cache)")
     print(format_table(scored, args.threshold))

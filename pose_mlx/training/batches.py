@@ -12,6 +12,7 @@ import numpy as np
 from .positions import CONTENT, SAMPLERS, Example, sample_example
 from .reading import DataError
 from .token_cache import TokenizedCorpus
+from ..words import counted
 
 # ---------------------------------------------------------------------------------------------- batches
 
@@ -127,7 +128,7 @@ class ExampleStream:
         if len(self.eligible) == 0:
             longest = int(lengths.max()) if len(lengths) else 0
             raise DataError(f"no document has >= {need} tokens, which sampler={sampler!r} content={content!r} "
-                            f"needs (corpus has {corpus.num_docs} documents, longest has {longest} tokens)")
+                            f"needs (corpus has {counted(corpus.num_docs, 'document')}, longest has {longest} tokens)")
         self.rng = np.random.default_rng(seed)
         self.short_share = float(short_share)
         self.mix_rng = np.random.default_rng([seed, 1])

@@ -58,6 +58,7 @@ from ..kernels.loss import chunked_cross_entropy
 from ..model.head import head_layer
 from ..errors import Stopped, UserError
 from ..files import write_atomic
+from ..words import counted
 
 # mlx-lm is imported inside the function that uses it: its package loads transformers (~1.2 s on a 2-core CPU),
 # which a training loop without gradient checkpointing never needs.
@@ -246,7 +247,7 @@ def train(model: nn.Module, stream, config: TrainConfig, run_dir, at_positions: 
         stream.load_state_dict(record["data"])
         start, last = record["step"], record["metrics"]
         if start >= config.steps:
-            raise UserError(f"--resume: --steps {config.steps} is not more than the {start} steps already trained")
+            raise UserError(f"--resume: --steps {config.steps} is not more than the {counted(start, 'step')} already trained")
         if world.is_main:
             truncate_log(log_path, start)
     elif log_path.exists() and world.is_main:

@@ -20,6 +20,7 @@ from typing import Iterable, Iterator
 
 from ..errors import UserError
 from ..model.source import hub_reachable
+from ..words import counted
 
 # Imported inside functions, on purpose: `plan` imports this module, and the hub client is needed only to fetch a
 # hub data set.
@@ -52,7 +53,7 @@ class ReadStats:
         return self.skipped_binary + self.skipped_encoding
 
     def describe(self) -> str:
-        return (f"{self.files_read} files read, skipped {self.skipped_empty} empty, {self.skipped_binary} binary, "
+        return (f"{counted(self.files_read, 'file')} read, skipped {self.skipped_empty} empty, {self.skipped_binary} binary, "
                 f"{self.skipped_encoding} not UTF-8")
 
 

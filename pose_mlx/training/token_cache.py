@@ -17,6 +17,7 @@ from typing import Iterable
 import numpy as np
 
 from .reading import DataError, ReadStats, chat_renderer, read_files, resolve_files
+from ..words import counted
 
 # Imported inside a function, on purpose: tqdm.auto (~0.1 s) is needed only to show tokenizing progress.
 
@@ -139,7 +140,7 @@ def _write_cache(documents: Iterable[str], tokenizer, folder: Path, min_length: 
         writer.close()
         bar.close()
     if read and len(offsets) == 1:
-        raise DataError(f"no document has >= {min_length} tokens (read {read} documents, longest has "
+        raise DataError(f"no document has >= {min_length} tokens (read {counted(read, 'document')}, longest has "
                         f"{longest} tokens)")
     np.save(folder / "offsets.npy", np.asarray(offsets, dtype=np.int64))
     return {"documents_read": read, "longest": longest}
