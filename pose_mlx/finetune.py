@@ -70,22 +70,16 @@ def cost(plan) -> str:
     and where the time left will show: no honest estimate exists before an update has been timed, and the
     progress bar gives one from the first update on (that update also traces the compiled step)."""
     s = plan.settings
-    done = _trained_steps(plan.partial) if plan.resume else 0
+    from .training.checkpoint import trained_steps
+
+    done = trained_steps(plan.partial) if plan.resume else 0
     per_update = s.batch_size * plan.world.size * s.grad_accum * (plan.example_length - 1)
-    updates = f"{s.steps - done} updates ({done + 1}-{s.steps})" if done else f"{s.steps} updates"
+    updates = counted(s.steps - done, "update") + (f" ({done + 1}-{s.steps})" if done else "")
     device = DEVICES.get(plan.memory_plan.settings.backend, plan.memory_plan.settings.backend)
     when = ("the progress bar shows the time left from the first update on" if s.progress
             else f"each update's time goes to {plan.partial / 'log.jsonl'}")
     return (f"training: {updates} x {per_update:,} tokens = {(s.steps - done) * per_update:,} tokens on {device}; "
             f"{when}")
-
-
-def _trained_steps(partial: Path) -> int:
-    """The step of the run folder's last checkpoint (0 when it has none yet)."""
-    from .training.checkpoint import read_state
-
-    state = read_state(partial / "checkpoint", verify=False)
-    return int(state["step"]) if state else 0
 
 
 def run(args) -> Path:

@@ -4,6 +4,7 @@ of an uninterrupted run (<= 1e-5). Runs the real CLI in subprocesses."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -177,8 +178,11 @@ def test_a_finished_run_trains_longer_with_a_larger_steps(tiny_model, text_dir, 
                                                "(6 steps); nothing to resume: pass --steps above 6 with --resume to "
                                                "train it longer")
     assert finetune.main(["--resume", "--output", str(done), "--steps", "10"]) == 0, capsys.readouterr().err
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "training: 4 updates (7-10) x 30 tokens = 120 tokens on " in out
+    # what this invocation trained, then the run's whole (it said "trained 10 steps, 300 tokens")
+    assert re.search(r"^trained 4 steps \(7-10\), 120 tokens in \d+ s; 10 steps, 300 tokens in all; final loss ", err,
+                     re.MULTILINE), err
     longer = read_log(done / "train_log.jsonl")
     assert [r["step"] for r in longer] == list(range(1, 11))
     assert json.loads((done / "pose_mlx.json").read_text())["steps"] == 10

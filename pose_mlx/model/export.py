@@ -38,6 +38,7 @@ import mlx.nn as nn
 from mlx_lm.utils import save_config, save_model
 
 from ..files import replace_dir, sibling
+from ..words import counted
 from .gguf import write_tokenizer
 from .patch import Extension, find_rope_modules, save_extension
 from .source import build_model
@@ -246,13 +247,22 @@ def export_run(model: nn.Module, extension: Extension, plan, summary: dict,
         eval_loss = f"{summary['eval_loss']:.4f}" if summary.get("eval_loss") is not None else "none"
         peak = summary["peak_memory_gb"]
         peak = f"{peak:.2f} GB" if peak >= 1 else f"{peak * 1024:.0f} MB"
-        print(f"trained {summary['steps']} steps, {summary['tokens']:,} tokens in {summary['seconds']:.0f} s; final "
-              f"loss {summary['final_loss']:.4f}, last eval loss {eval_loss}, peak memory {peak}; wrote "
-              f"{plan.output}", file=sys.stderr)
+        print(f"{trained(summary)}; final loss {summary['final_loss']:.4f}, last eval loss {eval_loss}, peak memory "
+              f"{peak}; wrote {plan.output}", file=sys.stderr)
     else:
         print(f"wrote {plan.output} (no training: --sampler none)", file=sys.stderr)
     return plan.output
 
 
+def trained(summary: dict) -> str:
+    """What this invocation trained (`pose_mlx.training.stage.fine_tune`'s summary), and after a resume the run's
+    whole: "trained 4 steps (5-8), 16,384 tokens in 55 s; 8 steps, 32,768 tokens in all"."""
+    run, steps = summary["steps_run"], summary["steps"]
+    if run == steps:
+        return f"trained {counted(steps, 'step')}, {summary['tokens']:,} tokens in {summary['seconds']:.0f} s"
+    return (f"trained {counted(run, 'step')} ({steps - run + 1}-{steps}), {summary['tokens_run']:,} tokens in "
+            f"{summary['seconds']:.0f} s; {counted(steps, 'step')}, {summary['tokens']:,} tokens in all")
+
+
 __all__ = ["candidate_configs", "copy_tokenizer_files", "export_config", "export_model", "export_run",
-           "reproduces", "rope_response", "with_stored_dtype"]
+           "reproduces", "rope_response", "trained", "with_stored_dtype"]

@@ -155,5 +155,11 @@ def load_checkpoint(folder, model, optimizer) -> dict:
     return record
 
 
+def trained_steps(run_folder) -> int:
+    """The step of the last checkpoint in a run folder's `checkpoint/` (0 when it has none yet)."""
+    state = read_state(Path(run_folder) / "checkpoint", verify=False)
+    return int(state["step"]) if state else 0
+
+
 __all__ = ["NonFiniteWeights", "PREVIOUS_FILE", "STATE_FILE", "all_finite", "last_files", "load_checkpoint",
-           "read_state", "save_checkpoint", "sha256"]
+           "read_state", "save_checkpoint", "sha256", "trained_steps"]

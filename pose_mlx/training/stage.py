@@ -14,14 +14,15 @@ import time
 
 import mlx.nn as nn
 
-from .checkpoint import last_files
+from .checkpoint import last_files, trained_steps
 from .data import training_data
 from .lora import add_lora
 from .loop import TrainConfig, check_not_collapsed, loss_scale_for, probe_loss, read_log, train
 
 
 def fine_tune(model: nn.Module, tokenizer, plan, at_positions) -> dict:
-    """Train `model` as `plan` (a `pose_mlx.plan.RunPlan`) says; returns the run's summary."""
+    """Train `model` as `plan` (a `pose_mlx.plan.RunPlan`) says; returns the run's summary (`steps`, `tokens`:
+    all the run's, resumed or not; `steps_run`, `tokens_run`, `seconds`: this invocation's)."""
     s, world = plan.settings, plan.world
     if s.sampler == "none":
         return {}
@@ -40,7 +41,7 @@ def fine_tune(model: nn.Module, tokenizer, plan, at_positions) -> dict:
                          kernels=s.kernels,
                          loss_scale=loss_scale, save_every=s.save_every, eval_every=s.eval_every, progress=s.progress,
                          resume_command=plan.resume_command)
-    t0 = time.perf_counter()
+    t0, start = time.perf_counter(), trained_steps(plan.partial) if plan.resume else 0
     before = probe_loss(model, data.probe, at_positions)
     last = train(model, data.stream, config, plan.partial, at_positions, data.eval_batches, resume=plan.resume,
                  world=world)
@@ -49,6 +50,7 @@ def fine_tune(model: nn.Module, tokenizer, plan, at_positions) -> dict:
         check_not_collapsed(model, data.probe, at_positions, before, step=last["step"])
     evals = [r["eval_loss"] for r in log if r.get("eval_loss") is not None]
     return {"steps": last["step"], "final_loss": last["loss"], "tokens": int(sum(r["tokens"] for r in log)),
+            "steps_run": last["step"] - start, "tokens_run": int(sum(r["tokens"] for r in log if r["step"] > start)),
             "tokens_per_step": last["tokens"], "seconds": time.perf_counter() - t0,
             "peak_memory_gb": max(r["peak_memory_gb"] or 0.0 for r in log), "eval_loss": evals[-1] if evals else None,
             "data_fingerprint": data.fingerprint, "training": "full" if plan.lora is None else "lora",
