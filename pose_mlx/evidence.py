@@ -1,4 +1,4 @@
-"""What the project measured, in one line, for the extension factor a run asks for (finetune and plan print it).
+"""What the project measured, in one line, for the extension factor a run asks for (`pose_mlx.plan` prints it).
 
 The evidence is the real-model benchmark's record, `RECORD` (benchmarks/results/real_model/results.json, with the
 protocol it names): its top level is one block, measured at factor target / original, and a key `factor_<N>x`

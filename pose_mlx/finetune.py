@@ -21,7 +21,6 @@ import warnings
 from pathlib import Path
 
 from .errors import command
-from .evidence import pointer
 from .memory import format_size
 from .settings import parse_invocation
 from .words import counted
@@ -32,8 +31,8 @@ from .words import counted
 
 def header(plan) -> str:
     """What the run will do, before anything is loaded: the model and its lengths; the schedule, sampler, training
-    mode, window and batch; what training costs (`cost`); the predicted peak memory and the output folder; and
-    what the project measured nearest this extension factor (`pose_mlx.evidence.pointer`)."""
+    mode, window and batch; what training costs (`cost`); the predicted peak memory and the output folder (what
+    the project measured nearest this extension factor is `python -m pose_mlx.plan`'s to say, once)."""
     s = plan.settings
     model = s.model if s.model == plan.model.name else f"{s.model} ({plan.model.name})"
     lines = [f"model {model}: original {plan.original} -> target {plan.target} tokens "
@@ -57,7 +56,6 @@ def header(plan) -> str:
         peak = (f"predicted peak memory {format_size(m.estimate.peak)} of {format_size(m.available)}"
                 f"{'' if m.fits else ' (does NOT fit; --force)'}; ")
     lines.append(f"{peak}output {plan.output}")
-    lines.append(pointer(plan.target / plan.original))
     return "\n".join(lines)
 
 

@@ -362,10 +362,13 @@ def _describe_run(s: memory.TrainSettings, plan: memory.Plan) -> str:
     return f"{mode}, {sampler}, {', '.join(extras)}"
 
 
-def render(plan: memory.Plan, arch: memory.Architecture, model: str, source: str) -> str:
-    """The human-readable report."""
+def render(plan: memory.Plan, arch: memory.Architecture, model: str, source: str,
+           evidence: str | None = None) -> str:
+    """The human-readable report; `evidence`: what the project measured nearest the run's extension factor
+    (`pose_mlx.evidence.pointer`), said once, after the model line."""
     est, d = plan.estimate, plan.estimate.details
-    lines = [f"model: {model} ({arch.describe()})", f"run:   {_describe_run(plan.settings, plan)}", ""]
+    lines = [f"model: {model} ({arch.describe()})", *([evidence] if evidence else []),
+             f"run:   {_describe_run(plan.settings, plan)}", ""]
     notes = {
         "weights": f"{memory.format_count(d['parameters'])} parameters, {d['dtype']}"
                    + (f" ({arch.quant_bits}-bit)" if arch.quant_bits else ""),
@@ -458,9 +461,7 @@ def main(argv=None) -> int:
     else:
         for warning in arch.warnings:
             print(f"warning: {warning}", file=sys.stderr)
-        if evidence:
-            print(evidence)
-        print(render(plan, arch, s.model, where))
+        print(render(plan, arch, s.model, where, evidence))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The one-line pointer to the evidence that finetune and plan print: it comes from the committed record
+"""The one-line pointer to the evidence that plan prints: it comes from the committed record
 (benchmarks/results/real_model/results.json), not from typed-in numbers, and picks the block measured nearest the
 requested extension factor."""
 
@@ -75,15 +75,17 @@ def test_only_the_4x_block_serves_every_factor_today():
         assert evidence.pointer(factor).endswith(LINE_4X)
 
 
-def test_plan_starts_with_the_line(tmp_path, capsys):
-    """`python -m pose_mlx.plan` prints the line first (and puts it in --json); without --target, no line."""
+def test_plan_says_the_line_once_after_the_model_line(tmp_path, capsys):
+    """`python -m pose_mlx.plan` prints the line once, right after its model line (and puts it in --json); without
+    --target, no line. (It was printed before the model line, and by every finetune run as well.)"""
     from pose_mlx import plan
 
     (tmp_path / "config.json").write_text(json.dumps(dict(
         model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=100, max_position_embeddings=1024)))
     assert plan.main(["--model", str(tmp_path), "--target", "16x", "--max-memory", "8G"]) == 0
-    assert capsys.readouterr().out.splitlines()[0] == evidence.pointer(16)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("model: ") and lines[1] == evidence.pointer(16) and lines.count(lines[1]) == 1
     assert plan.main(["--model", str(tmp_path), "--target", "4k", "--max-memory", "8G", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["evidence"] == "evidence: " + LINE_4X
     assert plan.main(["--model", str(tmp_path), "--max-memory", "8G", "--json"]) == 0
