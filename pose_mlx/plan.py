@@ -33,6 +33,7 @@ import socket
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 from . import memory
 from .errors import UserError, command
@@ -41,8 +42,8 @@ from .files import sibling
 from .lengths import parse_length
 from .model import source
 from .places import check_output
-from .settings import (RUN_FILE, Invocation, RunSettings, build_parser, parse_invocation, run_folder, save_run_file,
-                       saved_world_size)
+from .settings import (RUN_FILE, Invocation, RunSettings, build_parser, command_line, parse_invocation, run_folder,
+                       save_run_file, saved_world_size)
 from .training.distributed import World, init as init_world
 from .training.lora import LoraSpec
 from .training.reading import check_readable
@@ -119,7 +120,7 @@ def make_plan(invocation: Invocation) -> RunPlan:
     if s.sampler == "pose-middle" and window < 3:
         raise UserError(f"--sampler pose-middle needs a window of at least 3 tokens (head, middle, tail), got {window}")
     lora = None if s.full or s.sampler == "none" else _lora_spec(s, config)
-    memory_plan = memory.check_run(config, s, window, target, ref)
+    memory_plan = memory.check_run(config, s, window, target, ref, command=lambda changes: command_line(s, changes))
     if s.sampler != "none":
         check_readable(s.data)
     label = Path(s.model.rstrip("/")).name.removesuffix(".gguf")  # the alias, the repo's or the folder's name
@@ -362,10 +363,11 @@ def _describe_run(s: memory.TrainSettings, plan: memory.Plan) -> str:
     return f"{mode}, {sampler}, {', '.join(extras)}"
 
 
-def render(plan: memory.Plan, arch: memory.Architecture, model: str, source: str,
-           evidence: str | None = None) -> str:
+def render(plan: memory.Plan, arch: memory.Architecture, model: str, source: str, evidence: str | None = None,
+           command: Callable[[dict], str] | None = None) -> str:
     """The human-readable report; `evidence`: what the project measured nearest the run's extension factor
-    (`pose_mlx.evidence.pointer`), said once, after the model line."""
+    (`pose_mlx.evidence.pointer`), said once, after the model line; `command`: the whole command line of a
+    change of the run's settings (`settings.command_line`), given for the first change that fits."""
     est, d = plan.estimate, plan.estimate.details
     lines = [f"model: {model} ({arch.describe()})", *([evidence] if evidence else []),
              f"run:   {_describe_run(plan.settings, plan)}", ""]
@@ -398,6 +400,9 @@ def render(plan: memory.Plan, arch: memory.Architecture, model: str, source: str
         for s in plan.suggestions:
             mark = "fits" if s["fits"] else "does not fit"
             lines.append(f"  {s['change']:<62} {memory.format_size(s['peak_bytes']):>11}   {mark}")
+        first = next((s for s in plan.suggestions if s["fits"] and s["run_changes"] is not None), None)
+        if first is not None and command is not None and not plan.fits:
+            lines.append(f"the first that fits, as a whole command: {command(first['run_changes'])}")
     for warning in d["warnings"]:
         lines.append(f"warning: {warning}")
     return "\n".join(lines)
@@ -461,7 +466,7 @@ def main(argv=None) -> int:
     else:
         for warning in arch.warnings:
             print(f"warning: {warning}", file=sys.stderr)
-        print(render(plan, arch, s.model, where, evidence))
+        print(render(plan, arch, s.model, where, evidence, lambda changes: command_line(s, changes)))
     return 0
 
 

@@ -19,8 +19,9 @@ import difflib
 import json
 import math
 import re
+import shlex
 import sys
-from dataclasses import Field, dataclass, fields
+from dataclasses import Field, dataclass, fields, replace
 from pathlib import Path
 
 import yaml
@@ -364,7 +365,8 @@ def _finished_run(output: Path, steps: int | None) -> Path:
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
         raise UserError(f"--resume: {state} is damaged; the output folder is complete, nothing to resume") from None
     if steps is None or steps <= trained:
-        raise UserError(f"output folder {output} is already complete ({counted(trained, 'step')}); nothing to resume: pass "
+        raise UserError(f"output folder {output} is already complete ({counted(trained, 'step')}); nothing to "
+                        "resume: pass "
                         f"--steps above {trained} with --resume to train it longer")
     return output / RUN_FILE
 
@@ -394,6 +396,24 @@ def load_run_file(path: Path) -> RunSettings:
         return RunSettings(**out)
     except TypeError as error:
         raise UserError(f"--resume: {path} is damaged ({error}); start over with --overwrite") from None
+
+
+def command_line(settings: RunSettings, changes: dict | None = None,
+                 prog: str = "python -m pose_mlx.finetune") -> str:
+    """The command line (shell-quoted) that runs `settings` with `changes` applied ({setting: value}): `prog`, then
+    the flag of every setting whose value is not its default, as `build_parser` reads it back."""
+    s, defaults, words = replace(settings, **(changes or {})), RunSettings(), prog.split()
+    for f in fields(RunSettings):
+        value, declared = getattr(s, f.name), flags_of(f)
+        if value == getattr(defaults, f.name):
+            continue
+        if f.name == "schedule_params":
+            words += [x for key, v in value.items() for x in (declared[0].option, f"{key}={v}")]
+        elif declared[0].sets is not None:
+            words.append(next(flag.option for flag in declared if flag.sets == value))
+        else:
+            words += [declared[0].option, str(value)]
+    return shlex.join(words)
 
 
 def save_run_file(settings: RunSettings, folder: Path, world_size: int) -> Path:
@@ -439,6 +459,6 @@ def validate(s: RunSettings) -> None:
 
 
 __all__ = ["ADJUSTABLE", "ALIGN_ROWS", "Flag", "Invocation", "RUN_FILE", "RUN_SAMPLERS", "Rule", "RunSettings",
-           "SCHEDULE_BEFORE_YARN", "USAGE", "build_parser", "canonical_names", "flags_of", "load_run_file",
-           "parse_invocation", "parse_param", "read_yaml", "run_folder", "save_run_file", "saved_world_size", "setting",
-           "validate"]
+           "SCHEDULE_BEFORE_YARN", "USAGE", "build_parser", "canonical_names", "command_line", "flags_of",
+           "load_run_file", "parse_invocation", "parse_param", "read_yaml", "run_folder", "save_run_file",
+           "saved_world_size", "setting", "validate"]

@@ -2,6 +2,8 @@
 
 
 import json
+import re
+import shlex
 import math
 
 import mlx.core as mx
@@ -304,6 +306,33 @@ def test_max_memory_refuses_before_loading_and_force_overrides(tiny_model, text_
     monkeypatch.setattr(memory.device, "available_memory", lambda: (2**16, "test"))
     code, err = run_cli(capsys, *args, "--output", tmp_path / "d")
     assert code == 2 and "more than 64 KiB" in err
+
+
+def test_the_memory_refusal_offers_plans_changes_and_a_command_that_fits(tiny_model, text_dir, tmp_path, capsys):
+    """The refusal named only --grad-checkpoint or --force while `plan` for the same run also offered a shorter
+    --window: it lists the changes plan marks as fitting, and gives the first as a whole command, which `plan`
+    (offline, the same flags) accepts and finds fitting."""
+    from pose_mlx import plan
+
+    args = [str(a) for a in ["--model", tiny_model, "--target", "4x", "--data", text_dir, "--cache-dir",
+                             tmp_path / "c", "--output", tmp_path / "a", *FAST]]
+    assert plan.main([*args, "--max-memory", "1K", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    peaks = sorted(s["peak_bytes"] for s in record["suggestions"] if s["run_changes"] is not None)
+    limit = f"{(peaks[0] + record['peak_bytes']) // 2}B"  # above the cheapest change of the run's flags, below the run
+    code, err = run_cli(capsys, *args, "--max-memory", limit)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert plan.main([*args, "--max-memory", limit]) == 0
+    table = capsys.readouterr().out
+    fitting = [line.strip().rsplit("  ", 2)[0].strip() for line in table.splitlines()
+               if line.startswith("  ") and line.endswith("   fits")]
+    said = err.split("changes that fit: ")[1].split("; the first")[0]
+    offered = re.findall(r"(.+?): about \S+ \S+(?:, |$)", said)
+    assert fitting and offered == fitting, (offered, table)
+    command = shlex.split(err.split("the first as a whole command: ")[1].removesuffix("; or --force to try anyway\n"))
+    assert command[:3] == ["python", "-m", "pose_mlx.finetune"]
+    assert f"the first that fits, as a whole command: {shlex.join(command)}" in table  # plan gives the same
+    assert plan.main(command[3:]) == 0 and "verdict: fits" in capsys.readouterr().out
 
 
 def test_header_before_loading(tiny_model, text_dir, tmp_path, capsys, monkeypatch):

@@ -392,8 +392,8 @@ def test_align_rows_in_yaml_reads_on_and_off(folder, tmp_path):
 
 def test_each_advice_variant_reads_as_a_sentence():
     """The refusal of a run that does not fit read "even turn on gradient checkpointing (--grad-checkpoint) needs
-    about ...": every change is now a noun phrase after "with" (the first that fits), or after "even with" (none
-    fits: the smallest peak), or the sentence says nothing fits."""
+    about ...", then named only the first change that fits: it lists every change that fits with its peak (those
+    `plan` lists), or says "even with" the smallest peak when none fits, or that nothing fits."""
     full = memory.TrainSettings(window=1024, batch_size=8, lora=False, compile=False, target=8192)
     arch = memory.architecture(CONFIG)
     peak = lambda **changes: memory.training_memory(arch, memory.TrainSettings(**{**full.__dict__, **changes})).peak
@@ -403,9 +403,14 @@ def test_each_advice_variant_reads_as_a_sentence():
         "a 4-bit quantized base with LoRA (mlx_lm.convert -q)",
         "a 4-bit base, LoRA and gradient checkpointing together"]
     size = memory.format_size
-    just = peak(grad_checkpoint=True)  # checkpointing alone fits, nothing else is tried first
-    assert memory.plan_memory(arch, full, just).advice() == \
-        f"with gradient checkpointing (--grad-checkpoint) it needs about {size(just)}"
+    just = peak(grad_checkpoint=True)  # checkpointing fits, and so do others: each is said with its peak
+    fitting = memory.plan_memory(arch, full, just)
+    said = [s for s in fitting.suggestions if s["fits"]]
+    assert len(said) > 1 and said[0]["change"] == "gradient checkpointing (--grad-checkpoint)"
+    assert fitting.advice() == "changes that fit: " + ", ".join(f"{s['change']}: about {size(s['peak_bytes'])}"
+                                                                for s in said)
+    assert fitting.advice(lambda changes: f"run {changes}").endswith(
+        "; the first as a whole command: run {'grad_checkpoint': True}")
     tight = memory.plan_memory(arch, full, peak() // 2)
     batch = next(s for s in tight.suggestions if s["change"].startswith("--batch-size"))
     assert batch["change"] == f"--batch-size {tight.largest_batch} --grad-accum {-(-8 // tight.largest_batch)} " \
@@ -419,9 +424,8 @@ def test_each_advice_variant_reads_as_a_sentence():
     assert memory.plan_memory(quantized, done, 1).advice() == "no change the planner knows of makes it fit"
     with pytest.raises(UserError) as refusal:
         memory.check_fits(arch, full, just)
-    assert str(refusal.value) == (f"this run needs about {size(peak())} at its peak, more than {size(just)}; with "
-                                  f"gradient checkpointing (--grad-checkpoint) it needs about {size(just)}; or --force "
-                                  "to try anyway")
+    assert str(refusal.value) == (f"this run needs about {size(peak())} at its peak, more than {size(just)}; "
+                                  f"{fitting.advice()}; or --force to try anyway")
 
 
 def test_the_resume_command_of_a_run_on_several_ranks_starts_as_many():
