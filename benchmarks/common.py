@@ -268,11 +268,11 @@ def perplexity_command(model: list[str], data: Path, length: int, stride: int, d
             "--docs", str(docs), "--min-doc-tokens", str(tokens), "--truncate", str(tokens)]
 
 
-def ruler_command(model: list[str], lengths: str, tasks: str, samples: int, seed: int, force: bool) -> list[str]:
-    """`pose_mlx.ruler` of `tasks` at `lengths` (comma-separated); `force`: a base model beyond its window is
-    measured, not refused."""
+def ruler_command(model: list[str], lengths: str, tasks: str, samples: int, seed: int) -> list[str]:
+    """`pose_mlx.ruler` of `tasks` at `lengths` (comma-separated); `model`: --model and its flags (a base model's
+    --allow-beyond-window among them: measured beyond its window, not refused)."""
     return ["pose_mlx.ruler", *model, "--lengths", lengths, "--tasks", tasks, "--samples", str(samples), "--seed",
-            str(seed), *(["--force"] if force else [])]
+            str(seed)]
 
 
 # ------------------------------------------------------------------------------------------ pose_mlx vs mlx-lm

@@ -84,7 +84,7 @@ def evaluate(name: str, kind: str, length: int, protocol: dict, gguf: Path, work
         cmd = perplexity_command(args, test, length, length, docs, length - 1)
     else:
         r = protocol["ruler"]
-        cmd = ruler_command(args, str(length), ",".join(r["tasks"]), r["samples"], r["seed"], spec["role"] == "base")
+        cmd = ruler_command(args, str(length), ",".join(r["tasks"]), r["samples"], r["seed"])
     return run_recorded(cmd, path, log)
 
 

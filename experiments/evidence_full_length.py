@@ -255,7 +255,7 @@ def evaluate(name: str, kind: str, length: int, protocol: dict, gguf: Path, work
         cmd = perplexity_command(args, test, length, length, protocol["perplexity"]["target"]["documents"], length - 1)
     else:
         r = protocol["ruler"]
-        cmd = ruler_command(args, str(length), ",".join(r["tasks"]), r["samples"], r["seed"], False)
+        cmd = ruler_command(args, str(length), ",".join(r["tasks"]), r["samples"], r["seed"])
     return run_recorded(cmd, path, work / "logs" / f"protocol_full.{name}.{kind}.{length}.log")
 
 

@@ -105,10 +105,11 @@ def protocol_finetune(t: dict, protocol: dict, gguf: Path, work: Path, train: Pa
 
 
 def model_args(name: str, spec: dict, protocol: dict, gguf: Path, work: Path) -> list[str]:
-    """--model (and --schedule/--target for schedules applied at load) of a run."""
+    """--model (and --schedule/--target for schedules applied at load) of a run; the base is measured beyond its
+    window on purpose (--allow-beyond-window)."""
     target = str(protocol["target"])
     if spec["role"] == "base":
-        return ["--model", str(gguf)]
+        return ["--model", str(gguf), "--allow-beyond-window"]
     if spec["role"] == "training-free":
         return ["--model", str(gguf), "--schedule", spec["schedule"], "--target", target]
     folder = str(work / "runs" / train_name(name, spec))

@@ -38,8 +38,10 @@ from .eval import longctx
 from .eval.cpu_attention import fast_attention
 from .lengths import tokens
 from .model.patch import use_length
+from .settings import RUN_FILE, command_line, load_run_file
 
 DEFAULT_MAX_TOKENS = 256
+PROG = "python -m pose_mlx.generate"
 
 
 @dataclass(kw_only=True)
@@ -56,7 +58,7 @@ class GenerateSettings(longctx.EvalSettings):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = longctx.eval_parser("python -m pose_mlx.generate", __doc__.split("\n")[0])
+    parser = longctx.eval_parser(PROG, __doc__.split("\n")[0])
     parser.add_argument("--prompt", help="the prompt; with --prompt-file, appended after the file's text and a "
                                          "blank line (e.g. a question about the file)")
     parser.add_argument("--prompt-file", help="read the prompt from this text file ('-': standard input)")
@@ -128,16 +130,38 @@ def prompt_tokens(tokenizer, text: str, chat: bool = False, system: str | None =
     return list(tokenizer.encode(rendered, add_special_tokens=False))
 
 
-def answer_room(prompt: int, max_tokens: int, info: longctx.EvalModel) -> int:
-    """Tokens the answer may take: `max_tokens`, fewer where the model's window ends; UserError when the prompt
-    alone fills the window."""
+def answer_room(prompt: int, args: GenerateSettings, info: longctx.EvalModel) -> int:
+    """Tokens the answer may take: `--max-tokens`, fewer where the model's window ends (unless
+    `--allow-beyond-window`); UserError when the prompt alone fills the window, with the commands that give the
+    model a window for it (`longer_window`)."""
+    if args.allow_beyond_window:
+        return args.max_tokens
     if prompt >= info.maximum:
-        factor = 2 ** math.ceil(math.log2((prompt + max_tokens) / info.original))
-        how = (f"fine-tune it for a longer window (python -m pose_mlx.finetune --target {factor}x)"
-               if "pose_mlx.json" in info.schedule else f"extend it at load (e.g. --schedule yarn --target {factor}x)")
-        raise UserError(f"the prompt is {prompt} tokens, at least the model's window of {info.maximum} "
-                        f"({info.schedule}); shorten it, or {how}")
-    return min(max_tokens, info.maximum - prompt)
+        raise UserError(f"the prompt is {prompt} tokens, at least the window this model declares, {info.maximum} "
+                        f"({info.declared_by}); shorten it, {longer_window(args, info, prompt)}, or pass "
+                        "--allow-beyond-window to read past the window anyway")
+    return min(args.max_tokens, info.maximum - prompt)
+
+
+def longer_window(args: GenerateSettings, info: longctx.EvalModel, prompt: int) -> str:
+    """Whole commands (in backquotes) that give the model a window for the prompt and `--max-tokens`: this command
+    with a schedule at load (a raw model, one extended at load, one fine-tuned without a schedule); for a folder
+    fine-tuned with a schedule, the fine-tuning again to a longer target, from the run.json it kept (else where
+    to read about it), and its base extended at load."""
+    target = f"{2 ** math.ceil(math.log2((prompt + args.max_tokens) / info.original))}x"
+    saved = None if args.schedule or args.target else getattr(info.model, "pose_extension", None)  # pose_mlx.json's
+    if saved is None or saved.schedule == "none":
+        at_load = longctx.command_line(PROG, args, schedule=args.schedule or "yarn", target=target)
+        return f"or extend it at load, no training: `{at_load}`"
+    try:
+        run = load_run_file(Path(info.path) / RUN_FILE)
+    except UserError:
+        return (f"or fine-tune its base model for a longer window (--target {target}: docs/finetune.md; this "
+                "folder kept no run.json to repeat)")
+    again = command_line(run, {"target": target, "output": f"{info.path}-{target}"})
+    base = longctx.command_line(PROG, args, model=run.model, schedule=run.schedule, target=target,
+                                original=run.original)
+    return f"fine-tune it for a longer window: `{again}`, or extend its base at load, no training: `{base}`"
 
 
 def check_memory(info: longctx.EvalModel, length: int, chunk: int, force: bool) -> tuple[str, int]:
@@ -195,7 +219,7 @@ def run(args: GenerateSettings) -> str:
     text = read_prompt(args)
     info = longctx.load_eval_model(args.model, args.schedule, args.target, args.original)
     prompt = prompt_tokens(info.tokenizer, text, args.chat, args.system)
-    room = answer_room(len(prompt), args.max_tokens, info)
+    room = answer_room(len(prompt), args, info)
     estimate, peak = check_memory(info, len(prompt) + room, args.chunk, args.force)
     capped = f"the model's window of {info.maximum} tokens" if room < args.max_tokens else ""
     print(f"model {info.path}: schedule {info.schedule}; window {info.maximum}; prompt {len(prompt)} tokens, "

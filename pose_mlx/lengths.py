@@ -1,8 +1,9 @@
 """The length grammar every command shares: `8192`, `8k` / `8K` / `1.5k` (k = 1024 tokens), `8x` (times the
 model's original window). `parse_length` reads one length (finetune's `--target`), `parse_lengths` a comma list
-(the evaluators' `--lengths`); both raise `UserError` naming the flag. `tokens` is the argparse type of every
-other flag that counts tokens (`--window`, `--original`, `--chunk`, `--max-new-tokens`, ...): the same grammar
-without `x`, whose meaning (times which window?) only a target length has.
+(the evaluators' `--lengths`; `check_lengths` its grammar before a model says what `x` is); all raise `UserError`
+naming the flag. `tokens` is the argparse type of every other flag that counts tokens (`--window`, `--original`,
+`--chunk`, `--max-new-tokens`, ...): the same grammar without `x`, whose meaning (times which window?) only a
+target length has.
 """
 
 from __future__ import annotations
@@ -59,17 +60,28 @@ def parse_length(text, original: int | None = None, flag: str = "--target") -> i
     return int(round(number))
 
 
-def parse_lengths(text, original: int | None = None, flag: str = "--lengths") -> list[int]:
-    """A comma list of `parse_length` items ('2k,4k,8192' or '1x,2x,4x'), sorted and unique."""
-    items = [item for item in str(text).split(",")]
+def _items(text, flag: str) -> list[str]:
+    """The items of a comma list of lengths, none of them empty."""
+    items = str(text).split(",")
     if not any(item.strip() for item in items):
         raise UserError(f"{flag}: no length given (expected e.g. 2k,4k,8192)")
-    lengths = set()
-    for item in items:
-        if not item.strip():
-            raise UserError(f"{flag}: empty item in {text!r} (expected e.g. 2k,4k,8192)")
-        lengths.add(parse_length(item, original, flag))
-    return sorted(lengths)
+    if not all(item.strip() for item in items):
+        raise UserError(f"{flag}: empty item in {text!r} (expected e.g. 2k,4k,8192)")
+    return items
+
+
+def parse_lengths(text, original: int | None = None, flag: str = "--lengths") -> list[int]:
+    """A comma list of `parse_length` items ('2k,4k,8192' or '1x,2x,4x'), sorted and unique."""
+    return sorted({parse_length(item, original, flag) for item in _items(text, flag)})
+
+
+def check_lengths(text, flag: str = "--lengths") -> None:
+    """The grammar of a comma list of lengths before the model's window is known: each item a length, `x` items
+    only read (what `8x` is depends on that window; `parse_lengths` checks their range once it is known)."""
+    for item in _items(text, flag):
+        match = _LENGTH.fullmatch(item)
+        if not (match and match.group(2).lower() == "x"):
+            parse_length(item, None, flag)
 
 
 def default_lengths(original: int, maximum: int) -> list[int]:
@@ -83,4 +95,4 @@ def default_lengths(original: int, maximum: int) -> list[int]:
     return lengths
 
 
-__all__ = ["MAX_LENGTH", "default_lengths", "parse_length", "parse_lengths", "parse_tokens", "tokens"]
+__all__ = ["MAX_LENGTH", "check_lengths", "default_lengths", "parse_length", "parse_lengths", "parse_tokens", "tokens"]

@@ -5,6 +5,7 @@ path."""
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -104,3 +105,67 @@ def test_announce_says_the_model_and_returns_the_output_path(tmp_path, monkeypat
     assert opening.announce() == given
     assert capsys.readouterr().err == (f"model {folder}: schedule as configured; original window 64, max 64; "
                                        f"memory estimate {opening.estimate}\n")
+
+
+@pytest.fixture(scope="module")
+def window_256(tmp_path_factory):
+    """A tiny model whose config declares a 256-token window (its pre-training window too)."""
+    return make_eval_folder(tmp_path_factory.mktemp("window") / "m", max_position_embeddings=256)
+
+
+def _evaluator_argv(name: str, folder: Path, tmp_path: Path) -> list[str]:
+    data = tmp_path / "doc.txt"
+    data.write_text(" ".join(f"The sky is blue {i}." for i in range(400)))
+    extra = {"passkey": ["--trials", "1"], "perplexity": ["--data", str(data), "--docs", "1"],
+             "ruler": ["--tasks", "niah_single_1", "--samples", "1", "--no-chat"]}[name]
+    return ["--model", str(folder), *extra, "--no-progress", "--output", str(tmp_path / "out" / f"{name}.json")]
+
+
+@pytest.mark.parametrize("name", EVALUATORS)
+def test_a_length_beyond_the_declared_window_is_refused_naming_the_override(name, window_256, tmp_path, capsys):
+    """`passkey --lengths 4x` of a 16k model started a 32k run without a word. Extended to 2x at load (window 512),
+    `--lengths 4x` is refused by every evaluator before anything is computed or written, in one line that says
+    what 4x meant and names --allow-beyond-window."""
+    command = importlib.import_module(f"pose_mlx.eval.{name}")
+    argv = _evaluator_argv(name, window_256, tmp_path) + ["--schedule", "yarn", "--target", "2x",
+                                                         "--lengths", "1x,4x"]
+    assert command.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == (f"pose_mlx.{name}: error: --lengths: 1024 is beyond the window this model declares, 512 tokens "
+                   "(--target); 4x means 4 x the model's pre-training window 256 = 1024; measure up to 512 (2x), or "
+                   "pass --allow-beyond-window to measure past it on purpose\n")
+    assert not (tmp_path / "out").exists()
+    assert command.main(_evaluator_argv(name, window_256, tmp_path) + ["--lengths", "300,2k"]) == 2
+    assert ("--lengths: 300, 2048 are beyond the window this model declares, 256 tokens (its config); measure up to "
+            "256 (1x)") in capsys.readouterr().err
+
+
+def test_beyond_the_window_on_purpose_runs_and_says_so(window_256, tmp_path, capsys):
+    """With --allow-beyond-window the same passkey run measures 1024 tokens, and its model line says it does so
+    on purpose."""
+    from pose_mlx.eval import passkey
+
+    argv = _evaluator_argv("passkey", window_256, tmp_path) + ["--schedule", "yarn", "--target", "2x",
+                                                              "--lengths", "1x,4x", "--allow-beyond-window"]
+    assert passkey.main(argv) == 0
+    err = capsys.readouterr().err
+    [model_line] = [line for line in err.splitlines() if line.startswith("model ")]
+    assert "; original window 256, max 512; 1024 beyond it on purpose (--allow-beyond-window); memory " in model_line
+    record = json.loads((tmp_path / "out" / "passkey.json").read_text())
+    assert [a["length"] for a in record["accuracy"]] == [256, 1024]
+
+
+def test_the_declared_window_reads_rope_scaling():
+    """max_position_embeddings, or a rope_scaling factor times the original window where that is longer (Qwen2.5
+    keeps 32768 beside a YaRN factor 4: 131072)."""
+    from pose_mlx.model.source import declared_window, original_window
+
+    qwen = {"max_position_embeddings": 32768, "rope_scaling": {"type": "yarn", "factor": 4.0,
+                                                                 "original_max_position_embeddings": 32768}}
+    assert declared_window(qwen, original_window(qwen)) == 131072
+    llama3 = {"max_position_embeddings": 131072, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                                                                   "original_max_position_embeddings": 8192}}
+    assert declared_window(llama3, original_window(llama3)) == 131072
+    linear = {"max_position_embeddings": 8192, "rope_scaling": {"type": "linear", "factor": 2.0}}
+    assert original_window(linear) == 4096 and declared_window(linear, 4096) == 8192
+    assert declared_window({"n_positions": 1024}, 1024) == 1024 and declared_window({}, None) is None

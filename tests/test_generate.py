@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import json
+import re
+import shlex
 
 import numpy as np
 import pytest
@@ -112,15 +114,27 @@ def test_prompt_file_then_question(tmp_path, monkeypatch):
     assert generate.read_prompt(args) == "Über stdin.\n\nQ?"
 
 
+def hinted(err: str) -> list[list[str]]:
+    """The whole commands a refusal gives (in backquotes), as argument lists."""
+    return [shlex.split(command) for command in re.findall(r"`([^`]+)`", err)]
+
+
 def test_a_prompt_that_fills_the_window_is_refused_and_the_answer_is_capped(tiny, capsys):
+    """The refusal's hint was "extend it at load (e.g. --schedule yarn --target 2x)": it is the whole command,
+    which runs when pasted; --allow-beyond-window reads past the window on purpose."""
     long_text = " ".join([TEXT] * 30)
-    code, out, err = answer(capsys, "--model", str(tiny), "--prompt", long_text)
-    assert code == 2 and out == ""
-    assert err.startswith("pose_mlx.generate: error: the prompt is ") and "window of 512" in err
-    assert "extend it at load (e.g. --schedule yarn --target 2x)" in err and len(err.strip().splitlines()) == 1
-    code, out, err = answer(capsys, "--model", str(tiny), "--schedule", "yarn", "--target", "2x", "--prompt",
-                            long_text, "--max-tokens", "8")
+    code, out, err = answer(capsys, "--model", str(tiny), "--prompt", long_text, "--max-tokens", "8")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert err.startswith("pose_mlx.generate: error: the prompt is ") and "window this model declares, 512" in err
+    assert err.endswith("or pass --allow-beyond-window to read past the window anyway\n")
+    [command] = hinted(err)
+    assert command == ["python", "-m", "pose_mlx.generate", "--model", str(tiny), "--schedule", "yarn", "--target",
+                       "2x", "--prompt", long_text, "--max-tokens", "8"]
+    code, out, err = answer(capsys, *command[3:])
     assert code == 0 and "window 1024; prompt " in err  # extended at load, the same prompt fits
+    code, out, err = answer(capsys, "--model", str(tiny), "--prompt", long_text, "--max-tokens", "8",
+                            "--allow-beyond-window")
+    assert code == 0 and "answer up to 8;" in err and "generation: 8 tokens" in err
     _model, tokenizer = mlx_load(str(tiny))
     fitting = " ".join([TEXT] * 21)
     room = 512 - len(tokenizer.encode(fitting))
@@ -169,16 +183,27 @@ def test_the_real_model_answers_from_its_prompt(smollm2):  # noqa: F811
 
 
 def test_a_fine_tuned_model_too_short_for_the_prompt_points_to_finetune(tiny, tmp_path, capsys):
-    import shutil
+    """The hint was `python -m pose_mlx.finetune --target 4x`, without --model or --data: for a folder finetune
+    wrote, it is the fine-tuning again to a longer target from its run.json (which `plan`, offline, accepts with
+    those flags) and its base extended at load (which runs)."""
+    from pose_mlx import finetune, plan, toy
 
-    from pose_mlx.model.patch import extend, save_extension
-
-    folder = shutil.copytree(tiny, tmp_path / "extended")
-    model, _tokenizer = mlx_load(str(folder))
-    extend(model, "yarn", 128, 256)
-    save_extension(model, folder)
-    (folder / "config.json").write_text(json.dumps({**json.loads((folder / "config.json").read_text()),
-                                                    "max_position_embeddings": 128}))
-    code, out, err = answer(capsys, "--model", str(folder), "--prompt", " ".join([TEXT] * 12), "--max-tokens", "8")
-    assert code == 2 and "window of 256 (yarn x2 (from pose_mlx.json))" in err
-    assert "fine-tune it for a longer window (python -m pose_mlx.finetune --target 4x)" in err
+    data = tmp_path / "texts"
+    data.mkdir()
+    for i, text in enumerate(toy.stdlib_texts(max_files=4, min_chars=6000)):
+        (data / f"doc{i}.txt").write_text(text)
+    folder = tmp_path / "extended"
+    assert finetune.main(["--model", str(tiny), "--target", "2x", "--data", str(data), "--output", str(folder),
+                          "--window", "32", "--steps", "2", "--lora-layers", "1", "--cache-dir",
+                          str(tmp_path / "cache"), "--no-progress"]) == 0
+    capsys.readouterr()
+    long_text = " ".join([TEXT] * 50)
+    code, out, err = answer(capsys, "--model", str(folder), "--prompt", long_text, "--max-tokens", "8")
+    assert code == 2 and "at least the window this model declares, 1024 (the target of its extension" in err
+    again, base = hinted(err)
+    assert again[:3] == ["python", "-m", "pose_mlx.finetune"] and again[again.index("--target") + 1] == "4x"
+    assert again[again.index("--data") + 1] == str(data) and again[again.index("--model") + 1] == str(tiny)
+    assert plan.main(again[3:]) == 0 and "verdict: fits" in capsys.readouterr().out
+    assert base[:5] == ["python", "-m", "pose_mlx.generate", "--model", str(tiny)]
+    code, out, err = answer(capsys, *base[3:])
+    assert code == 0 and "window 2048; prompt " in err, err

@@ -59,3 +59,17 @@ def test_a_factor_is_refused_where_no_original_window_applies(tmp_path):
 def test_evaluator_token_flags_take_the_grammar(module, argv, expected):
     args = vars(module.build_parser().parse_args(["--model", "m", *argv]))
     assert {k: args[k] for k in expected} == expected
+
+
+def test_the_lengths_grammar_before_loading_reads_factors_of_any_window():
+    """`--lengths 1x` was refused before the model was loaded ("'1x' = 1 tokens is outside [2, ...]": the grammar
+    was checked against a window of 1): `x` items wait for the model's window; the rest is checked at once."""
+    from pose_mlx.lengths import check_lengths, parse_lengths
+
+    for text in ("1x", "0.5x,2k", "1x,4x", "1.5x"):
+        check_lengths(text)
+    assert parse_lengths("1x,4x", 256) == [256, 1024]
+    for text, reason in (("1x;2k", "is not a length"), ("1x,,2k", "empty item"), ("1.5", "whole number"),
+                         ("100000k", "outside"), (" , ", "no length given")):
+        with pytest.raises(UserError, match=reason):
+            check_lengths(text)

@@ -1,6 +1,7 @@
 """Passkey retrieval: prompt sizing, answer parsing, greedy decoding with a shared KV cache, CLI."""
 
 import json
+import re
 from pathlib import Path
 import time
 
@@ -203,9 +204,14 @@ def test_cli_default_lengths_and_bad_inputs(tiny, tmp_path, capsys, monkeypatch)
     assert "| 128 |" in out and "| 256 |" in out  # half the window (256) up to max_position_embeddings
     small = make_eval_folder(tmp_path / "small", max_position_embeddings=32)
     assert passkey.main(["--model", str(small), "--no-progress"]) == 2
-    assert "shorter than the passkey template" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "shorter than the passkey template" in err
+    hint = re.search(r"pass (--lengths \d+ --allow-beyond-window) ", err).group(1).split()  # as pasted, it runs
+    assert passkey.main(["--model", str(small), "--trials", "1", "--no-progress", *hint]) == 0
+    capsys.readouterr()
     for argv, fragment in [(["--lengths", "1k;2k"], "--lengths"), (["--lengths", "16"], "template"),
-                           (["--lengths", "16000k"], "than the 1 GiB"), (["--lengths", "100000k"], "outside")]:
+                           (["--lengths", "16000k", "--allow-beyond-window"], "than the 1 GiB"),
+                           (["--lengths", "16000k"], "--allow-beyond-window"), (["--lengths", "100000k"], "outside")]:
         assert passkey.main(["--model", str(folder), "--no-progress"] + argv) != 0
         err = capsys.readouterr().err.strip()
         assert "Traceback" not in err and len(err.splitlines()) == 1 and fragment in err, err

@@ -146,7 +146,8 @@ def test_fewer_long_enough_documents_than_asked_for_are_said(folder, tmp_path, c
     assert rc == 0
     documents = json.loads(out.read_text())["documents"]
     assert documents < 3
-    assert f"note: {documents} document(s) of --data have at least 20 tokens, fewer than the --docs 3" in err
+    said = "1 document of --data has" if documents == 1 else f"{documents} documents of --data have"  # not
+    assert f"note: {said} at least 20 tokens, fewer than the --docs 3" in err  # "1 document(s) ... have"
 
 
 def test_truncate_lets_separate_runs_score_the_tokens_of_a_joint_run(folder, tmp_path, capsys):
@@ -178,9 +179,10 @@ def test_cli_bad_inputs(folder, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("pose_mlx.memory.device.available_memory", lambda: (2**30, "a 1 GiB test machine"))
     data = _corpus(tmp_path, n_docs=1, sentences=5)
     base = ["--model", str(folder), "--data", str(data), "--no-progress"]
-    _fails(capsys, base + ["--lengths", "4k"], "the longest has")
+    _fails(capsys, base + ["--lengths", "4k"], "or pass --allow-beyond-window to measure past it on purpose")
+    _fails(capsys, base + ["--lengths", "4k", "--allow-beyond-window"], "the longest has")
     _fails(capsys, base + ["--lengths", "2y"], "--lengths")
-    _fails(capsys, base + ["--lengths", "16000k"], "than the 1 GiB")
+    _fails(capsys, base + ["--lengths", "16000k", "--allow-beyond-window"], "than the 1 GiB")
     _fails(capsys, base + ["--lengths", "100000k"], "outside")
     _fails(capsys, base + ["--chunk", "0"], "--chunk")
     _fails(capsys, base + ["--min-doc-tokens", "-5"], "--min-doc-tokens")
@@ -198,7 +200,7 @@ def test_module_entry_point_short_data_is_one_line(folder, tmp_path):
     data = tmp_path / "short.txt"
     data.write_text("The sky is blue.")
     proc = subprocess.run([sys.executable, "-m", "pose_mlx.perplexity", "--model", str(folder), "--data", str(data),
-                           "--lengths", "1k"], capture_output=True, text=True, timeout=120)
+                           "--lengths", "1k", "--allow-beyond-window"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
     [line] = proc.stderr.strip().splitlines()
     assert line.startswith("pose_mlx.perplexity: error: --data: no document has at least 1023 tokens")

@@ -427,7 +427,7 @@ def _fails_cleanly(argv, tmp_path, capsys, monkeypatch, fragment):
 @pytest.mark.parametrize("extra, fragment", [
     (["--tasks", "niah_singel_1"], "did you mean 'niah_single_1'"),
     (["--lengths", "1k;2k"], "--lengths '1k;2k' is not a length"),
-    (["--lengths", "16k"], "beyond the model's window of 4096 tokens"),
+    (["--lengths", "16k"], "16384 is beyond the window this model declares, 4096 tokens (its config)"),
     (["--samples", "0"], "--samples: 0 must be >= 1"),
     (["--lengths", "200"], "--lengths: too short for 10 of 11 tasks: niah_single_2 at 200 ("),
     (["--threshold", "1.5"], "--threshold"),

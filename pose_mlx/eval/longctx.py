@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import resource
+import shlex
 import sys
 import time
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, fields, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -51,7 +52,8 @@ class EvalModel:
     tokenizer: object
     path: str
     original: int  # the pre-training window
-    maximum: int  # the window the model claims (the target of an extension, or max_position_embeddings)
+    maximum: int  # the window the model declares (the target of an extension, or its config's:
+    # `source.declared_window`)
     schedule: str  # e.g. "none", "linear x8 (from pose_mlx.json)", "yarn x4 (--schedule, no training)"
     config: dict  # the model's configuration (what the memory model reads)
     ref: source.ModelRef | None = None  # where it was loaded from (the memory model reads a GGUF file's or a
@@ -72,6 +74,14 @@ class EvalModel:
         if how.startswith("--schedule"):
             return f"{self.name} + {schedule}, no training"
         return f"{self.name} ({schedule})" if how else self.name
+
+    @property
+    def declared_by(self) -> str:
+        """Where `maximum` comes from, in words: "the target of its extension (pose_mlx.json)", "--target", "its
+        config"."""
+        how = self.schedule.partition(" (")[2]
+        return ("the target of its extension (pose_mlx.json)" if how.startswith("from pose_mlx.json")
+                else "--target" if how.startswith("--schedule") else "its config")
 
 
 def load_eval_model(reference: str, schedule: str | None = None, target: str | None = None,
@@ -103,7 +113,7 @@ def load_eval_model(reference: str, schedule: str | None = None, target: str | N
         how = "after plain fine-tuning" if extension is not None else "no training"
         return EvalModel(model, tokenizer, str(ref.path), base, length,
                          f"{name} x{length / base:g} (--schedule, {how})", config, ref)
-    maximum = config.get("max_position_embeddings") or base
+    maximum = source.declared_window(config, base) or base
     if not base or not maximum:
         raise UserError("--model: the config does not say the model's window; pass --original (and --lengths)")
     return EvalModel(model, tokenizer, str(ref.path), base, int(maximum), "as configured", config, ref)
@@ -287,6 +297,7 @@ class EvalSettings:
     original: int | None = None
     chunk: int = DEFAULT_CHUNK
     force: bool = False
+    allow_beyond_window: bool = False
     overwrite: bool = False
     no_progress: bool = False
 
@@ -297,10 +308,22 @@ def settings_defaults(settings: type) -> dict:
     return {f.name: f.default for f in fields(settings) if f.default is not MISSING}
 
 
+def command_line(prog: str, settings: EvalSettings, **changes) -> str:
+    """The command line (shell-quoted) that runs a command's `settings` with `changes` applied: `prog`, then each
+    setting that is not its default as its flag (`--name`; a switch for True), as `eval_parser` reads it back."""
+    s, words = replace(settings, **changes), prog.split()
+    for f in fields(s):
+        value = getattr(s, f.name)
+        if f.default is MISSING or value != f.default:
+            flag = "--" + f.name.replace("_", "-")
+            words += [flag] if value is True else [flag, str(value)]
+    return shlex.join(words)
+
+
 def eval_parser(prog: str, description: str) -> ArgumentParser:
     """The evaluators' shared flags (`EvalSettings`): --model, --schedule (--scaling), --target, --original,
-    --chunk, --force, --overwrite, --no-progress; each command sets the defaults from its settings
-    (`settings_defaults`)."""
+    --chunk, --force, --allow-beyond-window, --overwrite, --no-progress; each command sets the defaults from its
+    settings (`settings_defaults`)."""
     parser = ArgumentParser(prog=prog, description=description)
     parser.add_argument("--model", required=True, help="model folder (e.g. written by pose_mlx.finetune), .gguf "
                                                        "file, Hugging Face hub id, or an alias of pose_mlx.finetune")
@@ -313,6 +336,9 @@ def eval_parser(prog: str, description: str) -> ArgumentParser:
     parser.add_argument("--chunk", type=tokens,
                         help=f"tokens per prefill chunk (memory ~ chunk x length; default {DEFAULT_CHUNK})")
     parser.add_argument("--force", action="store_true", help="run even when the memory estimate exceeds the RAM")
+    parser.add_argument("--allow-beyond-window", action="store_true",
+                        help="measure lengths beyond the window the model declares (max_position_embeddings, or the "
+                             "target of its extension), on purpose: refused without it")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the results at --output (refused by default), or at the default name (by "
                              "default a taken name gets -2, -3, ...)")
@@ -333,6 +359,6 @@ def resolve_lengths(arg: str | None, info: EvalModel) -> list[int]:
 
 __all__ = [
     "DEFAULT_CHUNK", "EvalModel", "EvalSettings", "bos_id", "cache_held_to", "check_chunk", "check_memory",
-    "chunked_logits", "chunked_nll", "encode", "eval_parser", "load_eval_model", "prefill",
+    "chunked_logits", "chunked_nll", "command_line", "encode", "eval_parser", "load_eval_model", "prefill",
     "resolve_lengths", "settings_defaults",
 ]

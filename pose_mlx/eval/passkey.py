@@ -287,7 +287,7 @@ def _fit_lengths(args, info: longctx.EvalModel, lengths: list[int]) -> list[int]
     if not lengths:
         raise UserError(f"--lengths: the model's window {info.maximum} is shorter than the passkey "
                         f"template ({template} tokens); pass --lengths {2 ** (template - 1).bit_length()} "
-                        "(or longer) to test beyond the window")
+                        "--allow-beyond-window (or longer lengths) to test beyond the window")
     return lengths
 
 
@@ -315,8 +315,8 @@ def run(args: PasskeySettings) -> list[dict]:
                                         compute=opening.compute())
     accuracy = accuracy_by_length(trials)
     total = sum(t.prompt_tokens for t in trials)
-    print(f"passkey retrieval, {counted(args.trials, 'trial')} per length, greedy answer of <= {MAX_NEW_TOKENS} tokens, "
-          f"correct = first integer equals the key ({generator.computed}/{total} prompt tokens computed, "
+    print(f"passkey retrieval, {counted(args.trials, 'trial')} per length, greedy answer of <= {MAX_NEW_TOKENS} "
+          f"tokens, correct = first integer equals the key ({generator.computed}/{total} prompt tokens computed, "
           "the rest reused from the KV cache)")
     print(format_table(accuracy))
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -324,13 +324,6 @@ def _check_arguments(args) -> None:
         essay_text(args.haystack)  # a bad folder is reported before the model is loaded
 
 
-def _within_window(args, info: longctx.EvalModel, lengths: list[int]) -> list[int]:
-    if max(lengths) > info.maximum and not args.force:
-        raise UserError(f"--lengths: {max(lengths)} is beyond the model's window of {info.maximum} tokens; "
-                        "extend it with --schedule/--target, or pass --force to test beyond the window")
-    return lengths
-
-
 def _answer_budget(args) -> int:
     """The longest answer of the run's tasks, in tokens."""
     return args.max_new_tokens or max(TASKS[t].max_new_tokens for t in parse_tasks(args.tasks))
@@ -351,7 +344,8 @@ def check_lengths(builder: PromptBuilder, tasks: list[str], lengths: list[int]) 
     if short:
         named = [f"{task} at {', '.join(str(e.length) for e in errs)} (its template and needles take "
                  f"{errs[-1].tokens})" for task, errs in short.items()]
-        raise UserError(f"--lengths: too short for {len(short)} of {counted(len(tasks), 'task')}: {'; '.join(named)}; use "
+        raise UserError(f"--lengths: too short for {len(short)} of {counted(len(tasks), 'task')}: "
+                        f"{'; '.join(named)}; use "
                         "longer --lengths or drop these from --tasks")
 
 
@@ -373,7 +367,7 @@ def run(args: RulerSettings) -> RulerRun:
     """The command: check `args` (UserError naming the flag), load the model, refuse lengths a task does not
     fit, answer and score every sample (resuming those an interrupted run logged), print the table, write the
     JSON and heatmap; returns the run."""
-    opening = open_evaluation("ruler", args, check=_check_arguments, fit=_within_window, answer=_answer_budget)
+    opening = open_evaluation("ruler", args, check=_check_arguments, answer=_answer_budget)
     info, lengths = opening.info, opening.lengths
     tasks = parse_tasks(args.tasks)
     builder = PromptBuilder(info.tokenizer, args.samples, args.seed, args.depths, args.haystack,
@@ -389,8 +383,9 @@ def run(args: RulerSettings) -> RulerRun:
         scored = run_ruler(info.model, info.tokenizer, lengths, tasks, args.samples, args.seed, chunk=args.chunk,
                            max_new_tokens=args.max_new_tokens, show_progress=not args.no_progress, builder=builder,
                            done=done, on_record=log.append, compute=opening.compute())
-    print(f"RULER synthetic tasks, {counted(args.samples, 'sample')} per task and length, greedy answers; score = fraction of "
-          f"the references found in the output (case-insensitive), mean over samples ({scored.computed_tokens}/"
+    print(f"RULER synthetic tasks, {counted(args.samples, 'sample')} per task and length, greedy answers; score = "
+          f"fraction of the references found in the output (case-insensitive), mean over samples "
+          f"({scored.computed_tokens}/"
           f"{scored.prompt_tokens} prompt tokens computed, the rest reused from the KV cache)")
     print(format_table(scored, args.threshold))
     record = record_json(scored, info, args, args.threshold, builder.fmt.chat)

@@ -215,6 +215,18 @@ def original_window(config: dict, ref: ModelRef | None = None) -> int | None:
     return None
 
 
+def declared_window(config: dict, original: int | None) -> int | None:
+    """The longest input the model's config declares it reads: `max_position_embeddings` (or its older names), or
+    its `rope_scaling` factor times the `original` window when that is longer (a config may keep the
+    pre-training window in max_position_embeddings beside a YaRN factor, as Qwen2.5's does); None when unknown."""
+    sizes = (config.get(k) for k in ("max_position_embeddings", "n_positions", "seq_length"))
+    maximum = next((v for v in sizes if isinstance(v, int) and not isinstance(v, bool) and v > 0), None)
+    factor = (config.get("rope_scaling") or {}).get("factor")
+    if isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor > 1 and original:
+        maximum = max(maximum or 0, int(round(factor * original)))
+    return maximum
+
+
 def model_classes(config: dict):
     """(Model, ModelArgs) of mlx-lm's module for `config["model_type"]` (its public remapping tables applied)."""
     from mlx_lm.utils import MODEL_ARCHITECTURE_REMAPPING, MODEL_REMAPPING
@@ -293,6 +305,6 @@ def load(ref: ModelRef | str | Path, *, return_config: bool = False, apply_sched
     return (model, tokenizer, config) if return_config else (model, tokenizer)
 
 
-__all__ = ["ALIASES", "ModelRef", "SCHEDULE_FILE", "TOKENIZER_FILES", "build_model", "check_config", "describe_aliases",
-           "hub_reachable", "load", "model_classes", "original_window", "quiet_transformers", "read_config", "resolve",
-           "shipped_config"]
+__all__ = ["ALIASES", "ModelRef", "SCHEDULE_FILE", "TOKENIZER_FILES", "build_model", "check_config", "declared_window",
+           "describe_aliases", "hub_reachable", "load", "model_classes", "original_window", "quiet_transformers",
+           "read_config", "resolve", "shipped_config"]

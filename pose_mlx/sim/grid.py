@@ -135,19 +135,21 @@ def _lengths(lengths: list[int]) -> str:
 def evaluate_perplexity(model: Path, test: Path, lengths: list[int], docs: int, stride: int, output: Path,
                         extend: tuple[str | None, str | None] = (None, None)) -> None:
     """Sliding windows `stride` tokens apart (capped at W-1) over whole test documents, every length; `extend`:
-    the (schedule, target) of `load_schedule`."""
+    the (schedule, target) of `load_schedule`. Like the other evaluations of the simulator, every length of the
+    grid is measured on every run, beyond a run's window on purpose (the original model's)."""
     schedule, target = extend
     perplexity.run(perplexity.PerplexitySettings(
         model=str(model), data=str(test), lengths=_lengths(lengths), stride=stride, docs=docs,
         min_doc_tokens=max(lengths), no_truncate=True, output=str(output), no_progress=True, schedule=schedule,
-        target=target))
+        target=target, allow_beyond_window=True))
 
 
 def evaluate_passkey(model: Path, lengths: list[int], trials: int, seed: int, output: Path,
                      extend: tuple[str | None, str | None] = (None, None)) -> None:
     schedule, target = extend
     passkey.run(passkey.PasskeySettings(model=str(model), lengths=_lengths(lengths), trials=trials, seed=seed,
-                                        output=str(output), no_progress=True, schedule=schedule, target=target))
+                                        output=str(output), no_progress=True, schedule=schedule, target=target,
+                                        allow_beyond_window=True))
 
 
 def ruler_lengths(tokenizer, task: str, lengths: list[int], samples: int = 1, seed: int = 0) -> list[int]:
@@ -168,7 +170,8 @@ def ruler_lengths(tokenizer, task: str, lengths: list[int], samples: int = 1, se
 
 def evaluate_ruler(model: Path, task: str, lengths: list[int], samples: int, seed: int, output: Path) -> None:
     ruler.run(ruler.RulerSettings(model=str(model), lengths=_lengths(lengths), tasks=task, samples=samples,
-                                  seed=seed, no_chat=True, no_progress=True, output=str(output)))
+                                  seed=seed, no_chat=True, no_progress=True, output=str(output),
+                                  allow_beyond_window=True))
 
 
 def passkey_template_tokens(tokenizer) -> int:
