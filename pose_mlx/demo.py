@@ -16,8 +16,10 @@ retrieves a passkey inside its window. Steps, all through the real commands (no 
 Writes each command's JSON and plots into --out (ppl-{original,yarn,pose}.json/.png, passkey-*.json, *_accuracy.png,
 *_heatmap.png) and comparison.png: every run's perplexity and passkey accuracy by length, side by side.
 Run again with the same settings, it reuses its corpus and fine-tuned model (steps 1-2, most of its time) and
-says so; a changed setting, a model it did not finish, or `--fresh` trains again. `demo.json` in --out records
-what the corpus was made from; the model's own run.json, the settings it was trained with.
+says so; a changed setting, a model it did not finish, or `--fresh` trains again. A run replaces the results of
+an earlier one in --out (it says so when it starts: copy them elsewhere to keep them, or give another --out).
+`demo.json` in --out records what the corpus was made from; the model's own run.json, the settings it was
+trained with.
 The simulator's report (benchmarks/results/sim/report.md) has the paper's whole grid; this is its main line in
 a few minutes.
 """
@@ -50,6 +52,8 @@ from .words import counted
 PRETRAINED = SHIPPED_BASE
 #: In --out: what the corpus of the finished fine-tuning was made from (`corpus_record`).
 RECORD = "demo.json"
+#: In --out: the results a run writes (each JSON with its plots beside it), which the next run replaces.
+RESULTS = ("ppl-*.json", "passkey-*.json", "comparison.png")
 
 
 def write_corpus(folder: Path, test_docs: int, train_docs: int | None, min_chars: int) -> tuple[Path, Path]:
@@ -201,7 +205,8 @@ def train_or_reuse(args, out: Path, model: Path, window: int) -> Path:
               "(--fresh trains it again)")
         return test
     (out / RECORD).unlink(missing_ok=True)  # until this run's model is finished
-    print(f"[1/4] corpus: standard-library sources and {args.retrieval:g} retrieval documents -> {out / 'corpus'}")
+    print(f"[1/4] corpus: standard-library sources, {args.retrieval * 100:g}% of the fine-tuning documents "
+          f"synthetic retrieval documents -> {out / 'corpus'}")
     _clear_corpus(out / "corpus")
     train, test = write_corpus(out / "corpus", args.test_docs, args.train_docs, min_chars=2000)
     finetune_data.build(out / "corpus" / "finetune", train, load_tokenizer(model), out / "cache", window,
@@ -221,6 +226,10 @@ def main(argv=None) -> int:
     window = _window(model)
     _check_finetune(args, out, model, window)
     target = window * args.factor
+    earlier = [pattern for pattern in RESULTS if any(out.glob(pattern))]
+    if earlier:
+        print(f"note: this run replaces the results of an earlier one in {out} ({', '.join(earlier)} and their "
+              "plots); copy them elsewhere now to keep them, or give another --out")
     test = train_or_reuse(args, out, model, window)
     print("[3/4] sliding-window perplexity on the held-out documents")
     lengths = [window * 2**k for k in range(args.factor.bit_length())]

@@ -41,6 +41,8 @@ def test_demo_extends_and_evaluates(tmp_path, capsys, monkeypatch):
     assert ppl["original"][0] < 50
     out = capsys.readouterr().out
     assert "perplexity by evaluation length" in out and "passkey accuracy by length" in out
+    assert "30% of the fine-tuning documents synthetic retrieval documents" in out  # a share ("0.3 retrieval
+    assert "replaces" not in out  # documents" it read); nothing earlier to replace
     assert (tmp_path / "corpus" / "finetune" / "retrieval.jsonl").stat().st_size > 0
     base = json.loads((tmp_path / "passkey-original.json").read_text())["accuracy"]
     assert [a["length"] for a in base] == [128, 256, 512, 1024]
@@ -69,10 +71,15 @@ def test_demo_extends_and_evaluates(tmp_path, capsys, monkeypatch):
     assert all(key.get_window_extent().y1 <= ax.get_tightbbox().y0 for ax in comparison.axes)  # below the panels
     ppl_lines = {line.get_label(): list(line.get_ydata()) for line in ppl_ax.get_lines()}
     assert ppl_lines["original"] == ppl["original"] and ppl_lines["PoSE + YaRN"] == ppl["pose"]
-    # run again (fewer passkey trials, the same training settings): the model is reused, the results replaced
+    # run again (fewer passkey trials, the same training settings): the model is reused, the results replaced,
+    # which it says first
     assert demo.main(["--out", str(tmp_path), "--steps", "4", "--batch-size", "4", "--train-docs", "40",
                       "--test-docs", "2", "--passkey-trials", "1"]) == 0
-    assert f"[2/4] reusing the fine-tuned model {tmp_path / 'pose'}" in capsys.readouterr().out
+    again_out = capsys.readouterr().out
+    assert again_out.splitlines()[0] == (f"note: this run replaces the results of an earlier one in {tmp_path} "
+                                         "(ppl-*.json, passkey-*.json, comparison.png and their plots); copy them "
+                                         "elsewhere now to keep them, or give another --out")
+    assert f"[2/4] reusing the fine-tuned model {tmp_path / 'pose'}" in again_out
     again = json.loads((tmp_path / "passkey-original.json").read_text())
     assert {a["trials"] for a in again["accuracy"]} == {1} and not list(tmp_path.glob("*-2.json"))
 
