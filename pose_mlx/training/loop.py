@@ -247,7 +247,8 @@ def train(model: nn.Module, stream, config: TrainConfig, run_dir, at_positions: 
         stream.load_state_dict(record["data"])
         start, last = record["step"], record["metrics"]
         if start >= config.steps:
-            raise UserError(f"--resume: --steps {config.steps} is not more than the {counted(start, 'step')} already trained")
+            raise UserError(f"--resume: --steps {config.steps} is not more than the {counted(start, 'step')} "
+                            "already trained")
         if world.is_main:
             truncate_log(log_path, start)
     elif log_path.exists() and world.is_main:

@@ -53,8 +53,8 @@ class ReadStats:
         return self.skipped_binary + self.skipped_encoding
 
     def describe(self) -> str:
-        return (f"{counted(self.files_read, 'file')} read, skipped {self.skipped_empty} empty, {self.skipped_binary} binary, "
-                f"{self.skipped_encoding} not UTF-8")
+        return (f"{counted(self.files_read, 'file')} read, skipped {self.skipped_empty} empty, "
+                f"{self.skipped_binary} binary, {self.skipped_encoding} not UTF-8")
 
 
 
