@@ -5,7 +5,8 @@ the file), or either alone; `--chat` wraps it as the user's message in the token
 `--system` as the system message). The model is any reference the evaluators take, with a fine-tuned folder's
 schedule re-applied and a raw model extended at load with `--schedule/--target` (`pose_mlx.eval.longctx`).
 The answer streams to stdout token by token; stderr carries the model line, a progress bar with ETA over a
-prefill longer than one chunk, and at the end one line with the prompt's and the answer's tokens per second.
+prefill longer than one chunk (its predicted work, chunk by chunk), and at the end one line with the prompt's and
+the answer's tokens per second.
 
 Generation is mlx-lm's own (`mlx_lm.stream_generate`; greedy by default, `--temp` samples), with the prompt
 prefilled through the KV cache `--chunk` tokens at a time into a cache allocated once for prompt and answer.
@@ -25,8 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from tqdm import tqdm
-
 import mlx.core as mx
 from mlx_lm import stream_generate
 from mlx_lm.models.cache import make_prompt_cache
@@ -35,6 +34,7 @@ from mlx_lm.sample_utils import make_sampler
 from . import memory
 from .errors import UserError, command
 from .eval import longctx
+from .eval.cost import Compute, WorkBar
 from .eval.cpu_attention import fast_attention
 from .lengths import tokens
 from .model.patch import use_length
@@ -193,17 +193,20 @@ def generate(model, tokenizer, prompt: list[int], max_tokens: int, *, temp: floa
 
 
 class PrefillBar:
-    """A tqdm bar over the prefill's tokens (with ETA), shown only when the prefill takes more than one chunk;
-    closed when the prefill ends, before the answer streams."""
+    """The prefill's progress: a `WorkBar` of one item, the prompt, whose ETA follows the prefill's predicted work
+    (`compute`: a chunk costs more the more tokens it attends to), with the tokens read; shown only when the prefill
+    takes more than one chunk, closed when it ends, before the answer streams."""
 
-    def __init__(self, total: int, chunk: int, enabled: bool):
-        self.bar = tqdm(total=total, desc="prefill", unit="tok", file=sys.stderr,
-                        disable=not enabled or total <= chunk, dynamic_ncols=True)
+    def __init__(self, compute: Compute, total: int, chunk: int, enabled: bool):
+        self.work = WorkBar("prefill", [compute.prefill(total, 0, 1)], "prompt", show=enabled and total > chunk)
+        self.fed = self.work.reading(0, compute, total, f"{total} tokens")
 
     def __call__(self, done: int, total: int) -> None:
-        self.bar.update(done - self.bar.n)
-        if done >= total:
-            self.bar.close()
+        if done < total:
+            self.fed(done, total)
+        elif not self.work.finished:
+            self.work.done(0, f"{total} tokens")
+            self.work.close()
 
 
 @command("pose_mlx.generate")
@@ -228,7 +231,7 @@ def run(args: GenerateSettings) -> str:
         mx.random.seed(args.seed)
     pieces, last, started = [], None, time.perf_counter()
     with longctx.cache_held_to(peak):
-        bar = PrefillBar(len(prompt), args.chunk, not args.no_progress)
+        bar = PrefillBar(Compute.of(memory.architecture(info.config)), len(prompt), args.chunk, not args.no_progress)
         for last in generate(info.model, info.tokenizer, prompt, room, temp=args.temp, chunk=args.chunk,
                              progress=bar):
             pieces.append(last.text)

@@ -76,6 +76,24 @@ def test_chunked_prefill_runs_the_cpu_attention_and_gives_the_same_tokens(tiny, 
     assert answers["7"] == answers["4096"] and len(answers["7"]) > 10
 
 
+def test_the_prefill_bar_follows_the_prefill_work_and_closes_before_the_answer(capsys):
+    """The prefill's bar counted tokens, so its ETA ignored that later chunks attend to more: it moves by each
+    chunk's predicted work (`cost.Compute`), says the tokens read, and closes when mlx-lm reports the whole prompt."""
+    from pose_mlx.eval.cost import Compute
+
+    compute = Compute(block_parameters=1000, attention=10, output=7)
+    bar = generate.PrefillBar(compute, 100, 10, True)
+    bar(0, 100)
+    bar(50, 100)
+    assert bar.work.bar.postfix == "100 tokens: 50/100 read"
+    assert bar.work.bar.n == pytest.approx(bar.work.bar.total * compute.prefill(50, 0) / compute.prefill(100, 0))
+    assert bar.work.bar.n < bar.work.bar.total / 2  # the second half attends to more keys
+    bar(100, 100)
+    assert "prefill 1/1 prompt: 100%" in capsys.readouterr().err
+    short = generate.PrefillBar(compute, 10, 10, True)  # one chunk: no bar
+    assert short.work.bar.disable
+
+
 def test_dynamic_ntk_prefill_in_chunks_equals_one_pass(tiny):
     """A dynamic-NTK model rotates every key by a base set by the whole prompt's length: the chunks of the
     prefill must use that length, not the length read so far."""

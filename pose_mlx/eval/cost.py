@@ -10,8 +10,9 @@ vocabulary and r the positions whose logits are computed (all n when scoring, th
 products with the weights, then QK^T and PV over the keys each new token sees (p + i for the i-th: 4 q L per key),
 then the output layer. A generated token is a prefill of one. Evaluations cost very unequal amounts per item (a
 16k-token prompt about 6x a 4k one, and prompts that share a cached prefix less), so a bar over items would give a
-wrong ETA; `WorkBar` counts this work instead, and after the first item it states the time of the whole
-evaluation scaled from that item's measured seconds (on stderr, when it is more than a minute).
+wrong ETA; `WorkBar` counts this work instead, within an item too (a long prompt's prefill moves it chunk by chunk,
+so one 16k-token trial shows its progress and ETA within seconds), and once some seconds of work are measured it
+states the time of the whole evaluation scaled from them (on stderr, when it is more than a minute).
 """
 
 from __future__ import annotations
@@ -23,8 +24,13 @@ from typing import Callable
 
 from tqdm import tqdm
 
+from ..words import counted
+
 #: Below this many estimated seconds no estimate line is printed (the bar's ETA is enough).
 ESTIMATE_ABOVE_S = 60.0
+#: The estimate line waits for this many seconds of measured work (or the first item's end): a first chunk alone
+#: also holds the warm-up.
+ESTIMATE_AFTER_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -82,52 +88,85 @@ def format_duration(seconds: float) -> str:
 
 class WorkBar:
     """A tqdm bar over the predicted work of `works` (one number per item, any unit), counting the items in its
-    description, with an ETA that follows the work (the last item's note after it). `skip(i)` marks an item taken up from an interrupted run;
-    `done(i)` one that ran. After the first that ran, when the whole evaluation is estimated above
-    `ESTIMATE_ABOVE_S`, one line on stderr: the estimate, scaled from that item's measured seconds."""
+    description, with an ETA that follows the work (the item's note after it). `skip(i)` marks an item taken up
+    from an interrupted run; `within(i, share)` the share of item i's work done so far (a long prompt's prefill
+    moves the bar chunk by chunk: `reading`); `done(i)` an item that ran. Once ESTIMATE_AFTER_S seconds of work
+    are measured (or the first item ran), when the whole evaluation is estimated above `ESTIMATE_ABOVE_S`, one line
+    on stderr: the time left and the whole, scaled from the work measured by the predicted work."""
 
     def __init__(self, prog: str, works: list[float], noun: str, show: bool = True,
                  clock: Callable[[], float] = time.perf_counter):
         self.prog, self.works, self.noun, self.clock = prog, list(works), noun, clock
-        self.finished, self.work_done = 0, 0.0
-        self.estimated = False  # the estimate is made once, after the first item that ran
+        self.finished, self.skipped = 0, 0
+        self.work_done, self.partial = 0.0, 0.0  # partial: the work done of the item in progress
+        self.estimated = False  # the estimate is made once
         self.bar = tqdm(total=sum(self.works) or 1, disable=not show, file=sys.stderr,
-                        desc=f"{prog} 0/{len(self.works)} {noun}s",
+                        desc=f"{prog} 0/{counted(len(self.works), noun)}",
                         bar_format="{desc}: {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}{postfix}]")
         self._label()
-        self.started = clock()
+        self.started, self.taken_up = clock(), 0.0  # the estimate counts the work measured since `started`
 
     def _label(self, note: str = "") -> None:
-        self.bar.set_description_str(f"{self.prog} {self.finished}/{len(self.works)} {self.noun}s", refresh=False)
+        self.bar.set_description_str(f"{self.prog} {self.finished}/{counted(len(self.works), self.noun)}",
+                                     refresh=False)
         self.bar.set_postfix_str(note, refresh=False)
 
+    def _move(self, note: str) -> None:
+        self._label(note)
+        self.bar.update(max(0.0, self.work_done + self.partial - self.bar.n))
+
     def skip(self, index: int) -> None:
-        self.finished += 1
+        self.finished, self.skipped = self.finished + 1, self.skipped + 1
         self.work_done += self.works[index]
-        self.bar.update(self.works[index])
-        self._label()
-        self.started = self.clock()
+        self._move("")
+        self.started, self.taken_up = self.clock(), self.work_done
+
+    def within(self, index: int, share: float, note: str = "") -> None:
+        self.partial = min(max(share, 0.0), 1.0) * self.works[index]
+        self._move(note)
+        self._estimate(False)
 
     def done(self, index: int, note: str = "") -> None:
-        now = self.clock()
         self.finished += 1
-        self.work_done += self.works[index]
-        if not self.estimated and self.works[index] > 0:
-            self.estimated = True
-            left = (sum(self.works) - self.work_done) * (now - self.started) / self.works[index]
-            if now - self.started + left > ESTIMATE_ABOVE_S:
-                tqdm.write(f"{self.prog}: about {format_duration(left)} more for the other "
-                           f"{len(self.works) - self.finished} {self.noun}s (the first took "
-                           f"{format_duration(now - self.started)}; the others scaled by their predicted compute)",
-                           file=sys.stderr)
-        self.bar.update(self.works[index])
-        self._label(note)
+        self.work_done, self.partial = self.work_done + self.works[index], 0.0
+        self._move(note)
+        self._estimate(True)
+
+    def reading(self, index: int, compute: Compute, prompt: int, label: str, answer: int = 0,
+                all_logits: bool = False) -> Callable[[int, int], None]:
+        """The `progress(fed, new)` callback of item `index`'s prefill (`longctx.prefill`): a prompt of `prompt`
+        tokens whose last `new` are fed (the others cached), then `answer` generated tokens (the last position's
+        logits), or with `all_logits` every position's (scoring). It moves the bar by the share of the item's
+        predicted work done and notes the tokens read ("16384 tokens: 3,584/16,384 read")."""
+        def fed(done: int, new: int) -> None:
+            kept = prompt - new
+            whole = compute.prefill(new, kept, new) if all_logits else compute.generation(prompt, kept, answer)
+            part = compute.prefill(done, kept, done if all_logits else 1) if done else 0.0
+            self.within(index, part / whole if whole else 0.0, f"{label}: {kept + done:,}/{prompt:,} read")
+        return fed
+
+    def _estimate(self, item_done: bool) -> None:
+        elapsed, measured = self.clock() - self.started, self.work_done + self.partial - self.taken_up
+        if self.estimated or measured <= 0 or not (item_done or elapsed >= ESTIMATE_AFTER_S):
+            return
+        self.estimated = True
+        whole = sum(self.works) - self.taken_up
+        left = (whole - measured) * elapsed / measured
+        if left >= 1 and elapsed + left > ESTIMATE_ABOVE_S:
+            items, share = counted(len(self.works) - self.skipped, self.noun), measured / whole
+            tqdm.write(f"{self.prog}: about {format_duration(left)} more, {format_duration(elapsed + left)} in all "
+                       f"for {items} (the first {f'{share:.0%}' if share >= 0.01 else 'under 1%'} of the predicted "
+                       f"work took {format_duration(elapsed)}; the rest scaled by its predicted compute)",
+                       file=sys.stderr)
+
+    def close(self) -> None:
+        self.bar.close()
 
     def __enter__(self) -> "WorkBar":
         return self
 
     def __exit__(self, *exc) -> None:
-        self.bar.close()
+        self.close()
 
 
-__all__ = ["Compute", "ESTIMATE_ABOVE_S", "WorkBar", "format_duration", "shared_prefix"]
+__all__ = ["Compute", "ESTIMATE_ABOVE_S", "ESTIMATE_AFTER_S", "WorkBar", "format_duration", "shared_prefix"]

@@ -169,11 +169,14 @@ def prefill(
     chunk: int = DEFAULT_CHUNK,
     on_chunk: Callable[[int, mx.array], None] | None = None,
     room: int = 0,
+    progress: Callable[[int, int], None] | None = None,
 ) -> mx.array:
     """Feed `tokens` (1-D) into `cache` C tokens at a time; returns the logits of the last token (vocab,).
 
-    `on_chunk(start, logits)` receives each chunk's logits (C, vocab), float32, positions start..start+C-1.
-    An empty cache is allocated once for the prompt and `room` more tokens (what a generation will add).
+    `on_chunk(start, logits)` receives each chunk's logits (C, vocab), float32, positions start..start+C-1;
+    `progress(fed, total)` is told after each chunk how many of the `total` tokens are in the cache (a bar's
+    `WorkBar.reading`). An empty cache is allocated once for the prompt and `room` more tokens (what a generation
+    will add).
     """
     if chunk < 1:
         raise ValueError(f"chunk={chunk} must be >= 1")
@@ -191,6 +194,8 @@ def prefill(
             last = np.array(logits[-1])  # a copy: a view would keep the chunk's logits alive
             del logits  # freed before the next chunk runs
             _eval_cache(cache)
+            if progress is not None:
+                progress(min(start + chunk, ids.size), ids.size)
     return mx.array(last)
 
 
@@ -200,10 +205,12 @@ def _cache_offset(cache: list) -> int:
     return int(offset if isinstance(offset, int) else mx.max(offset).item())
 
 
-def chunked_nll(model: nn.Module, tokens, chunk: int = DEFAULT_CHUNK) -> np.ndarray:
+def chunked_nll(model: nn.Module, tokens, chunk: int = DEFAULT_CHUNK,
+                progress: Callable[[int, int], None] | None = None) -> np.ndarray:
     """-log p(tokens[t+1] | tokens[:t+1]) for t = 0..L-2, via chunked prefill; float64 array (L-1,).
 
-    NLL = logsumexp(logits_t) - logits_t[target]; only the NLLs (not the logits) are kept per chunk.
+    NLL = logsumexp(logits_t) - logits_t[target]; only the NLLs (not the logits) are kept per chunk. `progress`:
+    as `prefill`'s.
     """
     tokens = np.asarray(tokens, dtype=np.int32)
     if tokens.size < 2:
@@ -220,7 +227,7 @@ def chunked_nll(model: nn.Module, tokens, chunk: int = DEFAULT_CHUNK) -> np.ndar
         nll = mx.logsumexp(logits, axis=-1) - picked
         out[start:stop] = np.array(nll, dtype=np.float64)
 
-    prefill(model, tokens, make_prompt_cache(model), chunk, score)
+    prefill(model, tokens, make_prompt_cache(model), chunk, score, progress=progress)
     return out
 
 

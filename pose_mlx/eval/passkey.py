@@ -112,13 +112,15 @@ class PrefixCachedGenerator:
             shared += 1
         return shared
 
-    def generate(self, prompt: list[int], max_new: int, stop: set[int]) -> list[int]:
+    def generate(self, prompt: list[int], max_new: int, stop: set[int], progress=None) -> list[int]:
+        """Greedy tokens after `prompt` (at most `max_new`, ending before a `stop` token); `progress(fed, new)`:
+        the prefill's progress over the prompt's tokens that are not in the cache (`longctx.prefill`)."""
         keep = self._keep(prompt)
         if self.reuse:
             trim_prompt_cache(self.cache, len(self.cached) - keep)
         else:
             self.cache = make_prompt_cache(self.model)
-        logits = longctx.prefill(self.model, prompt[keep:], self.cache, self.chunk, room=max_new)
+        logits = longctx.prefill(self.model, prompt[keep:], self.cache, self.chunk, room=max_new, progress=progress)
         self.computed += len(prompt) - keep
         self.cached, self.prompt_length = list(prompt), len(prompt)
         out: list[int] = []
@@ -168,7 +170,7 @@ def run_passkey(model, tokenizer, lengths: list[int], trials: int, depths: int |
 
     Trials in `done` (from an interrupted run of the same plan) are not run again; `on_trial(trial)` is called
     after each one that is. Says on stderr what will run; the progress bar's ETA follows each trial's predicted
-    work (`compute`, the model's shapes; default: its tokens)."""
+    work (`compute`, the model's shapes; default: its tokens), within a trial too (chunk by chunk of its prompt)."""
     bos = longctx.bos_id(tokenizer)
     stop = set(getattr(tokenizer, "eos_token_ids", None) or [])
     if getattr(tokenizer, "eos_token_id", None) is not None:
@@ -176,7 +178,8 @@ def run_passkey(model, tokenizer, lengths: list[int], trials: int, depths: int |
     plan = sorted(trial_plan(lengths, trials, depths, seed), key=lambda t: (t[0], -t[1]))
     generator = PrefixCachedGenerator(model, chunk, reuse)
     kept = shared_prefix([(n, d) for n, d, _ in plan]) if generator.reuse else [0] * len(plan)
-    works = [(compute or Compute.tokens_only()).generation(n, k, MAX_NEW_TOKENS) for (n, _, _), k in zip(plan, kept)]
+    compute = compute or Compute.tokens_only()
+    works = [compute.generation(n, k, MAX_NEW_TOKENS) for (n, _, _), k in zip(plan, kept)]
     print(f"passkey: {counted(len(plan), 'trial')} ({trials} at each of {', '.join(map(str, sorted(set(lengths))))} "
           "tokens): "
           f"{sum(n for n, _, _ in plan):,} prompt tokens, about {sum(n for n, _, _ in plan) - sum(kept):,} of them "
@@ -190,7 +193,8 @@ def run_passkey(model, tokenizer, lengths: list[int], trials: int, depths: int |
                 bar.skip(i)
                 continue
             prompt = build_prompt(tokenizer, bos, length, depth, key)
-            answer = tokenizer.decode(generator.generate(prompt, MAX_NEW_TOKENS, stop))
+            fed = bar.reading(i, compute, len(prompt), f"{length} tokens", MAX_NEW_TOKENS)
+            answer = tokenizer.decode(generator.generate(prompt, MAX_NEW_TOKENS, stop, fed))
             results.append(Trial(length, len(prompt), depth, key, answer, parse_answer(answer) == key))
             bar.done(i, f"{length} tokens")
             if on_trial is not None:

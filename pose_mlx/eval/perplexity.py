@@ -15,6 +15,7 @@ import json
 import math
 import sys
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Iterable
 
@@ -65,18 +66,16 @@ def window_plan(n_tokens: int, window: int, stride: int) -> list[Window]:
 
 def document_nll(model, tokens: Iterable[int], window: int, stride: int, bos: int,
                  chunk: int = longctx.DEFAULT_CHUNK, progress=None) -> tuple[float, int]:
-    """(sum of NLLs, number of scored tokens) of one document under `window_plan`; `progress()` is called after
-    each window."""
+    """(sum of NLLs, number of scored tokens) of one document under `window_plan`; `progress(fed, n)` is told
+    after each chunk of a window of n tokens how many are in, n after the last (`longctx.prefill`'s)."""
     tokens = np.asarray(list(tokens), dtype=np.int32)
     total, count = 0.0, 0
     for w in window_plan(tokens.size, window, stride):
         ids = np.concatenate([[bos], tokens[w.start : w.stop]]).astype(np.int32)
-        nll = longctx.chunked_nll(model, ids, chunk)  # nll[j] scores tokens[w.start + j]
+        nll = longctx.chunked_nll(model, ids, chunk, progress)  # nll[j] scores tokens[w.start + j]
         scored = nll[w.score_from - w.start :]
         total += float(scored.sum())
         count += scored.size
-        if progress is not None:
-            progress()
     return total, count
 
 
@@ -92,23 +91,32 @@ def perplexity(model, documents: list[list[int]], lengths: list[int], stride: in
                compute: Compute | None = None) -> list[LengthResult]:
     """Token-weighted perplexity of the tokenized `documents` at each window length. Says on stderr what will
     run; the progress bar's ETA follows each window's predicted work (`compute`, the model's shapes; default: its
-    tokens)."""
+    tokens), within a window too (chunk by chunk)."""
     windows = [w.stop - w.start + 1 for length in lengths for doc in documents
                for w in window_plan(len(doc), length, stride)]
-    works = [(compute or Compute.tokens_only()).prefill(n, 0, n) for n in windows]
+    compute = compute or Compute.tokens_only()
+    works = [compute.prefill(n, 0, n) for n in windows]
     print(f"perplexity: {counted(len(windows), 'window')} of {counted(len(documents), 'document')} at "
           f"{', '.join(map(str, lengths))} "
           f"tokens: {sum(windows):,} tokens", file=sys.stderr)
-    results, index = [], iter(range(len(windows)))
+    results = []
     with WorkBar("perplexity", works, "window", show_progress) as bar:
         for length in lengths:
             total, count = 0.0, 0
             for doc in documents:
-                t, c = document_nll(model, doc, length, stride, bos, chunk,
-                                    lambda: bar.done(next(index), f"{length} tokens"))
+                t, c = document_nll(model, doc, length, stride, bos, chunk, partial(_window_fed, bar, compute, length))
                 total, count = total + t, count + c
             results.append(LengthResult(length, math.exp(total / count), count))
     return results
+
+
+def _window_fed(bar: WorkBar, compute: Compute, length: int, fed: int, n: int) -> None:
+    """A chunk of the window in progress (the bar's next item) is in: the bar moves by its share of the window's
+    work, or to the window's end after its last chunk."""
+    if fed < n:
+        bar.reading(bar.finished, compute, n, f"{length} tokens", all_logits=True)(fed, n)
+    else:
+        bar.done(bar.finished, f"{length} tokens")
 
 
 # ------------------------------------------------------------------------------------------------ data

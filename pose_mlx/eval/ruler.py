@@ -173,7 +173,8 @@ def run_ruler(model, tokenizer, lengths: list[int], tasks: list[str] | str = "al
     stop = stop_tokens(tokenizer)
     run = RulerRun(tasks, lengths)
     plan = evaluation_order(builder, tasks, lengths, samples)
-    works = planned_work(builder, plan, compute or Compute.tokens_only(), generator.reuse, max_new_tokens)
+    compute = compute or Compute.tokens_only()
+    works = planned_work(builder, plan, compute, generator.reuse, max_new_tokens)
     finished = {(r.task, r.length, r.index): r for r in done}
     with WorkBar("ruler", works, "sample", show_progress) as bar:
         for i, (task, length, index) in enumerate(plan):
@@ -185,7 +186,8 @@ def run_ruler(model, tokenizer, lengths: list[int], tasks: list[str] | str = "al
             sample = builder.sample(task, length, index)
             middle = time.perf_counter()
             budget = max_new_tokens or TASKS[task].max_new_tokens
-            output = tokenizer.decode(generator.generate(sample.tokens, budget, stop))
+            fed = bar.reading(i, compute, len(sample.tokens), f"{task} @ {length}", budget)
+            output = tokenizer.decode(generator.generate(sample.tokens, budget, stop, fed))
             run.seconds_prompts += middle - start
             run.seconds_model += time.perf_counter() - middle
             run.records.append(Record(task, length, index, len(sample.tokens), [n.depth for n in sample.needles],
