@@ -77,10 +77,10 @@ class EvalModel:
 
     @property
     def declared_by(self) -> str:
-        """Where `maximum` comes from, in words: "the target of its extension (pose_mlx.json)", "--target", "its
+        """Where `maximum` comes from, in words: "the target of its extension, pose_mlx.json", "--target", "its
         config"."""
         how = self.schedule.partition(" (")[2]
-        return ("the target of its extension (pose_mlx.json)" if how.startswith("from pose_mlx.json")
+        return ("the target of its extension, pose_mlx.json" if how.startswith("from pose_mlx.json")
                 else "--target" if how.startswith("--schedule") else "its config")
 
 
