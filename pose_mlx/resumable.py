@@ -16,6 +16,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Iterator
 
+from .words import counted
+
 
 class RecordLog:
     def __init__(self, output: Path, header: dict, record_type: type):
@@ -39,16 +41,19 @@ class RecordLog:
     @contextlib.contextmanager
     def resumed(self, prog: str, noun: str, total: int) -> Iterator[list]:
         """Yields the records taken up from an interrupted run (said on stderr) with the file restarted from
-        them; on Ctrl-C, says how many finished `noun` the file keeps before the interrupt goes on."""
+        them; on Ctrl-C, says how many finished records (a `noun`, "trial") the file keeps before the interrupt
+        goes on."""
         done = self.load()
         if done:
-            print(f"taking up {len(done)} of {total} {noun} from {self.path} (an interrupted run)", file=sys.stderr)
+            print(f"taking up {len(done)} of {counted(total, noun)} from {self.path} (an interrupted run)",
+                  file=sys.stderr)
         self.start(done)
         try:
             yield done
         except KeyboardInterrupt:
-            print(f"{prog}: {len(self.load())} finished {noun} are kept in {self.path}: the same command takes "
-                  "them up", file=sys.stderr)
+            kept = len(self.load())
+            print(f"{prog}: {counted(kept, 'finished ' + noun)} {'is' if kept == 1 else 'are'} kept in {self.path}: "
+                  f"the same command takes {'it' if kept == 1 else 'them'} up", file=sys.stderr)
             raise
 
     def start(self, records: list) -> None:

@@ -86,7 +86,9 @@ def test_an_interrupted_default_run_resumes_under_its_name_and_spares_another_ru
     argv = ["--model", str(model), "--lengths", "128", "--trials", "3", "--depths", "3", "--no-progress"]
     count_appends(monkeypatch, interrupt_after=1)
     assert passkey.main(argv) == EXIT_INTERRUPTED
-    name = _written(capsys.readouterr().err)
+    err = capsys.readouterr().err
+    assert "1 finished trial is kept in " in err and "the same command takes it up" in err  # not "1 ... trials are"
+    name = _written(err)
     partial = name.with_name(name.name + ".partial.jsonl")
     assert not name.exists() and len(partial.read_text().splitlines()) == 2  # header + one trial
     header = json.loads(partial.read_text().splitlines()[0])

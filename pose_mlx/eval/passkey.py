@@ -313,7 +313,7 @@ def run(args: PasskeySettings) -> list[dict]:
     out = opening.announce(details=(f"{args.trials}trials", f"seed{args.seed}" if args.seed else "",
                                     f"depths{args.depths}" if args.depths else ""), header=header)
     log = RecordLog(out, header, Trial)
-    with log.resumed("passkey", "trials", args.trials * len(lengths)) as done, opening.held():
+    with log.resumed("passkey", "trial", args.trials * len(lengths)) as done, opening.held():
         trials, generator = run_passkey(info.model, info.tokenizer, lengths, args.trials, args.depths, args.seed,
                                         args.chunk, not args.no_progress, done=done, on_trial=log.append,
                                         compute=opening.compute())

@@ -381,7 +381,7 @@ def run(args: RulerSettings) -> RulerRun:
     details = (f"{args.samples}samples", _tasks_name(tasks), f"seed{args.seed}" if args.seed else "")
     out = opening.announce("chat template" if builder.fmt.chat else "plain prompts", details=details, header=header)
     log = RecordLog(out, header, Record)
-    with log.resumed("ruler", "samples", args.samples * len(tasks) * len(lengths)) as done, opening.held():
+    with log.resumed("ruler", "sample", args.samples * len(tasks) * len(lengths)) as done, opening.held():
         scored = run_ruler(info.model, info.tokenizer, lengths, tasks, args.samples, args.seed, chunk=args.chunk,
                            max_new_tokens=args.max_new_tokens, show_progress=not args.no_progress, builder=builder,
                            done=done, on_record=log.append, compute=opening.compute())
