@@ -8,7 +8,8 @@ settings (`pose_mlx.settings`: flags, YAML or run.json, validated once)
 -> extend (`pose_mlx.model.patch`: the frequency schedule, s = target / original; `--sampler plain` trains with
    the original frequencies and takes the schedule only after training)
 -> train (`pose_mlx.training.stage`: LoRA or all weights, position ids from the sampler)
--> export (`pose_mlx.model.export`: a standard mlx-lm folder whose config comes from the extension record).
+-> export (`pose_mlx.model.export`: a standard mlx-lm folder whose config comes from the extension record; with
+   `--export-gguf` also `<output>.gguf` for llama.cpp, `pose_mlx.model.gguf.write`).
 The run's state lives in `<output>.partial/` until the export is complete, then `<output>` appears at once.
 Started by `mlx.launch`, it trains data-parallel (`pose_mlx.training.distributed`): `--batch-size` rows per rank,
 rank 0 tokenizes first, writes every file and prints progress; the other ranks read the same `--output` and cache.
@@ -108,11 +109,32 @@ def run(args) -> Path:
                 extension = extend(model, s.schedule, plan.original, plan.target, **s.schedule_params)
                 summary = fine_tune(model, tokenizer, plan, use_positions)
             output = export_run(model, extension, plan, summary, weights_writer(plan.lora, s.fuse))
+        del model
+        if s.export_gguf and plan.world.is_main:
+            write_gguf(plan)
     except BaseException:
         plan.release(failed=True)
         raise
     plan.release()
     return output
+
+
+def write_gguf(plan) -> Path:
+    """`--export-gguf`: the exported folder as `<output>.gguf` (`pose_mlx.model.gguf.write`), the tokenizer keys
+    copied from the source model when it is a GGUF file. The folder is complete before this starts: a failure
+    here says how to make the file from it."""
+    from .errors import UserError
+    from .model.gguf.write import export_gguf, gguf_path
+
+    path, s = gguf_path(plan.output), plan.settings
+    try:
+        info = export_gguf(plan.output, path, s.export_gguf, overwrite=True, progress=s.progress,
+                           source_gguf=plan.model.path if plan.model.is_gguf else None)
+    except UserError as error:
+        raise UserError(f"{error} (the folder {plan.output} is complete; `python -m pose_mlx.convert {plan.output} "
+                        f"{path}` writes the GGUF file from it)") from None
+    print(f"wrote {path} ({info['architecture']}, {info['outtype']}, llama.cpp context {plan.target})", file=sys.stderr)
+    return path
 
 
 @command("pose_mlx.finetune")

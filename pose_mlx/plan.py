@@ -15,6 +15,8 @@ the config.json of a hub model) and every check that can be made before loading 
 - the output: `<output>` and its run folder `<output>.partial` may be written without destroying anything that
   pose_mlx did not write: never the model or data folder, a parent of them, or a folder inside the data (it would
   be read as training data); `--overwrite` only replaces folders that hold pose_mlx's own metadata;
+- with `--export-gguf`: the model family and the schedule can be written to GGUF, and `<output>.gguf` is absent
+  or a GGUF file that `--overwrite` may replace;
 - one run at a time per output: an exclusive flock on `.<output>.lock` (which names the holder's pid and host)
   is held for the whole run; the file a process that died left behind is taken over with a message; temporary
   files a killed run left are removed;
@@ -129,6 +131,7 @@ def make_plan(invocation: Invocation) -> RunPlan:
                    invocation.overwrite, init_world(), lora, memory_plan, finished=invocation.finished)
     _check_places(plan)
     _check_existing(plan)
+    _check_gguf(plan)
     plan.world.barrier()  # every rank has checked the folders before rank 0 changes them
     if plan.world.is_main:
         plan.lock = take_lock(output)
@@ -261,6 +264,28 @@ def _check_existing(plan: RunPlan) -> None:
         if folder.exists() and not _ours(folder, mark):
             raise UserError(f"--overwrite: {folder} was not written by pose_mlx (no {mark}); it is left alone - "
                             "choose another --output or remove it yourself")
+
+
+def _check_gguf(plan: RunPlan) -> None:
+    """With --export-gguf: the model family and the schedule can be written to GGUF (`check_exportable`), and
+    `<output>.gguf` may be written: absent, or (with --overwrite or --resume) a GGUF file that is replaced."""
+    s = plan.settings
+    if not s.export_gguf:
+        return
+    from .model.gguf.write import check_exportable, gguf_path
+
+    params = dict(s.schedule_params)
+    factor = float(params.pop("factor", plan.target / plan.original))
+    check_exportable(plan.config, s.schedule, params, factor, plan.original)
+    path = gguf_path(plan.output)
+    check_output("--export-gguf", path)
+    if not path.exists():
+        return
+    if not (path.is_file() and source.is_gguf_file(path)):
+        raise UserError(f"--export-gguf: {path} exists and is not a GGUF file; it is left alone - choose another "
+                        "--output or remove it yourself")
+    if not (plan.overwrite or plan.resume):
+        raise UserError(f"--export-gguf: {path} exists; pass --overwrite to replace it or another --output")
 
 
 # ----------------------------------------------------------------------------------------------- the lock

@@ -15,6 +15,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
+from .model.gguf.write import OUTTYPES
 from .rope import SCHEDULES
 from .training.positions import CONTENT, REFERENCE_SAMPLERS, SAMPLERS
 
@@ -167,6 +168,10 @@ class RunSettings:
     seed: int = setting(0, "seed of data sampling and LoRA initialisation (default 0)", rule=between(0, 2**32 - 1))
     output: str | None = setting(None, "output model folder (default: <model name>-<sampler>-<target>)",
                                  metavar="DIR")
+    export_gguf: str | None = setting(
+        None, "also write <output>.gguf for llama.cpp, matrices in TYPE: f16 (default), f32, bf16, q8_0",
+        rule=one_of(OUTTYPES),
+        metavar="TYPE", nargs="?", const="f16")
     save_every: int = setting(100, "checkpoint every N steps (default 100; 0: only at the end and on "
                                    "Ctrl-C/SIGTERM)", rule=between(0, 10**9))
     progress: bool = setting(True, flags=(Flag("--no-progress", "no progress bar", False),))

@@ -39,7 +39,7 @@ from .words import counted
 
 RUN_FILE = "run.json"
 #: Settings that may differ between a run and its --resume without changing what the run computes.
-ADJUSTABLE = ("steps", "progress", "save_every", "cache_dir", "max_memory", "force")
+ADJUSTABLE = ("steps", "progress", "save_every", "cache_dir", "max_memory", "force", "export_gguf")
 #: The default --schedule until yarn became the default: what a run whose run.json names none was trained with.
 SCHEDULE_BEFORE_YARN = "linear"
 

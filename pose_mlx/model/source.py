@@ -59,7 +59,7 @@ class ModelRef:
         return self.config_file is None and self.path.is_file()
 
 
-def _is_gguf_file(path: Path) -> bool:
+def is_gguf_file(path: Path) -> bool:
     """A GGUF file, recognised by its magic bytes (Ollama's blobs have no .gguf suffix)."""
     try:
         with open(path, "rb") as f:
@@ -92,7 +92,7 @@ def resolve(name: str, weights: bool = True) -> ModelRef:
     if path.exists():
         if path.is_dir() and not (path / "config.json").is_file():
             raise UserError(f"--model {name}: no config.json in that folder")
-        if path.is_file() and not _is_gguf_file(path):
+        if path.is_file() and not is_gguf_file(path):
             raise UserError(f"--model {name}: a file, but not a .gguf model; pass a model folder or a .gguf file")
         return ModelRef(name, path, window)
     if not _HUB_ID.fullmatch(name):
@@ -306,5 +306,5 @@ def load(ref: ModelRef | str | Path, *, return_config: bool = False, apply_sched
 
 
 __all__ = ["ALIASES", "ModelRef", "SCHEDULE_FILE", "TOKENIZER_FILES", "build_model", "check_config", "declared_window",
-           "describe_aliases", "hub_reachable", "load", "model_classes", "original_window", "quiet_transformers",
-           "read_config", "resolve", "shipped_config"]
+           "describe_aliases", "hub_reachable", "is_gguf_file", "load", "model_classes", "original_window",
+           "quiet_transformers", "read_config", "resolve", "shipped_config"]

@@ -17,7 +17,8 @@ def config_from_gguf(path_or_header) -> dict:
     """A Hugging Face style config.json dict for mlx-lm's llama / qwen2, from the metadata (no weights read).
 
     tie_word_embeddings is true when the file has no ``output.weight``; vocab_size is the embedding's row
-    count; rope_scaling comes from ``<arch>.rope.scaling.*`` (linear, yarn) or a ``rope_freqs`` tensor
+    count; rope_scaling comes from ``<arch>.rope.scaling.*`` (linear, yarn: its ``attn_factor`` m becomes mlx-lm's
+    mscale with 0.1 mscale ln s + 1 = m (1 + 0.1 ln s), llama.cpp's scale of q and k) or a ``rope_freqs`` tensor
     (Llama 3 frequency factors, fitted back to mlx-lm's "llama3" parameters); torch_dtype is the file's precision
     (`file_dtype`); gguf_quantization names the file's block-quantized tensor types ("Q4_1"), when it has any.
     """
@@ -134,7 +135,11 @@ def _rope_scaling(h: Header, arch: str, head_dim: int, theta: float, context: in
     if kind is None and h.get(f"{arch}.rope.scale_linear", None, float) not in (None, 1.0):
         kind, factor = "linear", h.get(f"{arch}.rope.scale_linear", None, float)
     original = h.get(f"{arch}.rope.scaling.original_context_length", None, int)
+    attn_key = f"{arch}.rope.scaling.attn_factor"
+    attn = _decimal(h, attn_key, h.require(attn_key, float)) if attn_key in h.metadata else 1.0
     freqs = h.tensors.get("rope_freqs.weight")
+    if attn != 1.0 and (freqs is not None or kind != "yarn" or factor in (None, 1.0)):
+        raise h.fail(f"{attn_key}={attn:g} without YaRN scaling; not supported")
     if freqs is not None:
         if kind not in (None, "none"):
             raise h.fail(f"both a rope_freqs tensor and rope scaling {_short(kind)}; not supported")
@@ -152,6 +157,9 @@ def _rope_scaling(h: Header, arch: str, head_dim: int, theta: float, context: in
             key = f"{arch}.rope.scaling.yarn_{name}"
             if key in h.metadata:
                 scaling[name] = _decimal(h, key, h.require(key, float))
+        if attn != 1.0 and factor > 1:  # llama.cpp scales q and k by attn (1 + 0.1 ln s) = 0.1 mscale ln s + 1
+            scaling["mscale"] = (attn * (1 + 0.1 * math.log(factor)) - 1) / (0.1 * math.log(factor))
+            scaling["mscale_all_dim"] = 0.0
         return scaling
     raise h.fail(f"unsupported rope scaling type {_short(kind)} (supported: linear, yarn, Llama 3 rope_freqs)")
 

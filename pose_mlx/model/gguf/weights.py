@@ -65,6 +65,15 @@ def mlx_name(gguf_name: str) -> str | None:
     return None
 
 
+def permute_rows(w, n_heads: int):
+    """llama.cpp's per-head Q/K row interleaving (what its converter writes): row i -> 2i, row i + d/2 -> 2i+1
+    within each head; the inverse of `unpermute_rows`."""
+    rows = w.shape[0]
+    if rows % (2 * n_heads):
+        raise ValueError(f"{rows} rows cannot be split into {n_heads} heads of pairs")
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
 def unpermute_rows(w, n_heads: int):
     """Undo llama.cpp's per-head Q/K row interleaving: row 2i -> i, row 2i+1 -> i + d/2 within each head.
 
@@ -122,11 +131,11 @@ def _check_tensors(h: Header, expected: dict[str, tuple]) -> dict[str, TensorInf
         found[name] = info
     for name in expected:
         if name not in found and not name.endswith("self_attn.o_proj.bias"):
-            raise h.fail(f"missing tensor {_gguf_name(name)}")
+            raise h.fail(f"missing tensor {gguf_name(name)}")
     return found
 
 
-def _gguf_name(mlx: str) -> str:
+def gguf_name(mlx: str) -> str:
     """The GGUF tensor name of an mlx-lm parameter name (the inverse of `mlx_name`)."""
     module, _, kind = mlx.rpartition(".")
     match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", module)
@@ -262,4 +271,4 @@ def _model_from_header(h: Header, config: dict, keep_quantized: bool, dtype):
     return model, quantized
 
 
-__all__ = ["expected_shapes", "file_dtype", "mlx_name", "unpermute_rows"]
+__all__ = ["expected_shapes", "file_dtype", "gguf_name", "mlx_name", "permute_rows", "unpermute_rows"]
