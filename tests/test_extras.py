@@ -55,3 +55,13 @@ def test_no_installed_distribution_but_the_mkl_extra_requires_mkl():
                 askers.add((name, str(requirement.marker)))
     assert {name for name, _marker in askers} <= {"pose-mlx"}
     assert all('extra == "mkl"' in marker for _name, marker in askers)
+
+
+def test_llama_cpp_comes_only_with_its_extra():
+    """llama-cpp-python compiles llama.cpp when installed (minutes on two cores): only the opt-in `llamacpp` extra
+    asks for it, never the package or its test extra; gguf-py, which the GGUF export writes with, is a dependency."""
+    extras = project()["optional-dependencies"]
+    for extra, requirements in {"": project()["dependencies"], **extras}.items():
+        names = {Requirement(line).name.lower() for line in requirements}
+        assert ("llama-cpp-python" in names) == (extra == "llamacpp"), extra
+    assert "gguf" in {Requirement(line).name.lower() for line in project()["dependencies"]}
