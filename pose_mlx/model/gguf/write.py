@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import UserError
-from ...rope import rope_inv_freq, scaled_inv_freq
+from ...rope import SCHEDULES, rope_inv_freq, scaled_inv_freq
 from .header import ARRAY, read_header
 from .rope_keys import llamacpp_rope, rope_keys
 from .vocab_out import tokenizer_metadata
@@ -67,15 +67,36 @@ def gguf_path(output: str | os.PathLike) -> Path:
     return output.with_name(output.name + ".gguf")
 
 
-def check_exportable(config: dict, schedule: str, params: dict, factor: float, original: int) -> str:
-    """The GGUF architecture of a model with `config` extended by `schedule`; UserError when the family or the
-    schedule cannot be written (what `finetune --export-gguf` checks before training)."""
+def check_exportable(config: dict, schedule: str | None = None, params: dict | None = None, factor: float = 1.0,
+                     original: int | None = None) -> str:
+    """The GGUF architecture of a model with `config` extended by `schedule` (None: the one its config's
+    rope_scaling describes); UserError when the family or the schedule cannot be written (what `finetune
+    --export-gguf` checks before training, and `export_gguf` before loading any weight)."""
     arch = _architecture(config)
+    if schedule is None:
+        schedule, params, factor, original, _, _ = _config_schedule(config)
     dims = _head_dim(config)
     base = float(config.get("rope_theta", 10000.0))
-    inv_freq, attention = scaled_inv_freq(schedule, dims, base, factor, original, **params)
-    rope_keys(schedule, params, factor, original, attention, list(rope_inv_freq(dims, base) / inv_freq), arch)
+    if schedule in SCHEDULES:  # mlx-lm's own types outside pose_mlx's schedules are refused by rope_keys
+        inv_freq, attention = scaled_inv_freq(schedule, dims, base, factor, original, **params)
+        factors = list(rope_inv_freq(dims, base) / inv_freq)
+    else:
+        attention, factors = 1.0, None
+    rope_keys(schedule, params, factor, original, attention, factors, arch)
     return arch
+
+
+def _recorded_schedule(folder: Path) -> tuple:
+    """(schedule, params, factor, original) of the folder's pose_mlx.json (the names of earlier versions too), or
+    (None, ...) when it has none."""
+    from ..source import SCHEDULE_FILE
+
+    path = folder / SCHEDULE_FILE
+    if not path.is_file():
+        return None, None, 1.0, None
+    s = json.loads(path.read_text())["schedule"]
+    return (s.get("schedule", s.get("method")), dict(s.get("params") or {}), float(s["factor"]),
+            int(s.get("original", s.get("original_length"))))
 
 
 def _architecture(config: dict) -> str:
@@ -97,7 +118,7 @@ def export_gguf(folder: str | os.PathLike, out: str | os.PathLike, outtype: str 
     from)}. `source_gguf`: the GGUF file the folder was made from (its tokenizer keys are copied); None looks
     for it in pose_mlx.json. `progress`: a progress bar on stderr (None: when stderr is a terminal)."""
     from ...files import write_atomic
-    from ..source import load
+    from ..source import load, read_config, resolve
 
     folder, out = Path(folder), Path(out)
     if outtype not in OUTTYPES:
@@ -106,8 +127,8 @@ def export_gguf(folder: str | os.PathLike, out: str | os.PathLike, outtype: str 
         raise UserError(f"{folder}: not a model folder (no config.json)")
     if out.exists() and not overwrite:
         raise UserError(f"{out} already exists; pass --overwrite to replace it")
+    arch = check_exportable(read_config(resolve(str(folder))), *_recorded_schedule(folder))
     model, _, config = load(str(folder), return_config=True)
-    arch = _architecture(config)
     _dense(model)
     weights = _weights(model)
     metadata, rope_freqs = _model_metadata(model, config, arch, weights, outtype, folder.name)
@@ -238,12 +259,18 @@ def _rope_metadata(model, config: dict, arch: str, dims: int) -> tuple[dict, obj
 
 
 def _schedule_of(model, config: dict) -> tuple:
-    """(schedule, params, factor, original, target, raw base) from the Extension record, else from the config's
-    rope_scaling (mlx-lm's types: linear, yarn, llama3; dynamic and longrope are refused by `rope_keys`)."""
+    """(schedule, params, factor, original, target, raw base) from the model's Extension record, else from its
+    config (`_config_schedule`)."""
     ext = getattr(model, "pose_extension", None)
-    if ext is not None:
-        return ext.schedule, dict(ext.params), float(ext.factor), int(ext.original), int(ext.target), \
-            float(ext.layers[0].base)
+    if ext is None:
+        return _config_schedule(config)
+    return (ext.schedule, dict(ext.params), float(ext.factor), int(ext.original), int(ext.target),
+            float(ext.layers[0].base))
+
+
+def _config_schedule(config: dict) -> tuple:
+    """(schedule, params, factor, original, target, raw base) that a config's rope_scaling describes (mlx-lm's
+    types: none, linear, yarn, llama3; dynamic and longrope are refused by `rope_keys`)."""
     scaling = config.get("rope_scaling") or {}
     kind = scaling.get("rope_type", scaling.get("type")) or "default"
     target = int(config.get("max_position_embeddings") or 4096)
@@ -254,9 +281,8 @@ def _schedule_of(model, config: dict) -> tuple:
     # mlx-lm's YaRN assumes 4096 when the config names no original window
     original = int(scaling.get("original_max_position_embeddings") or (4096 if kind == "yarn" else
                                                                          round(target / factor)))
-    schedule = {"su": "longrope"}.get(kind, kind)
     params = {k: float(scaling[k]) for k in ("beta_fast", "beta_slow") if k in scaling} if kind == "yarn" else {}
-    return schedule, params, factor, original, target, base
+    return {"su": "longrope"}.get(kind, kind), params, factor, original, target, base
 
 
 def _traditional(module, config: dict) -> bool:
