@@ -118,6 +118,17 @@ def test_f32_round_trip_of_llama3_and_a_mistral_folder(tmp_path):
     assert "rope_freqs.weight" in _tensors(tmp_path / "llama3.gguf")
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_a_folder_with_interleaved_rope_is_reordered_for_llama_cpp(tmp_path, model_type):
+    """rope_traditional folders rotate pairs (2i, 2i+1): already llama.cpp's llama order (rows kept), while qwen2's
+    half-split RoPE in llama.cpp needs the rows un-interleaved; both read back with the folder's logits."""
+    folder = toy.make_model_folder(tmp_path / "m", model_type=model_type, hidden_size=64, num_layers=2, num_heads=4,
+                                   max_position_embeddings=ORIGINAL, rope_traditional=True, seed=5)
+    ext = _extended(folder, tmp_path / "ext", "yarn")
+    export_gguf(ext, tmp_path / "x.gguf", "f32")
+    _assert_f32_close(_logits(pg.load_gguf(tmp_path / "x.gguf")[0]), _logits(pose_load(str(ext))[0]))
+
+
 def _rounded(folder: Path, outtype: str):
     """The folder's model with each matrix rounded as gguf-py rounds it for `outtype` (rows not a multiple of 32
     as F16 under q8_0), the independent reference of the f16/bf16/q8_0 files."""

@@ -295,7 +295,11 @@ def _plan_tensors(config: dict, arch: str, weights: dict, outtype: str, rope_fre
     heads = {"self_attn.q_proj": int(config["num_attention_heads"]),
              "self_attn.k_proj": int(config.get("num_key_value_heads") or config["num_attention_heads"])}
     traditional = bool(config.get("rope_traditional", False))
-    reorder = "permute" if arch == "llama" and not traditional else "unpermute" if traditional else None
+    # llama.cpp rotates interleaved pairs for llama, half-split ones for qwen2: rows move only where they differ
+    if arch == "llama":
+        reorder = None if traditional else "permute"
+    else:
+        reorder = "unpermute" if traditional else None
     tensors = [Tensor("rope_freqs.weight", None, "f32", (_head_dim(config) // 2,))] if rope_freqs else []
     for source, w in weights.items():
         module = source.rsplit(".", 1)[0]
