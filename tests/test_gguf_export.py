@@ -26,7 +26,6 @@ from gguf.quants import dequantize, quantize  # noqa: E402
 import _gguf_helpers as H  # noqa: E402
 from pose_mlx import toy  # noqa: E402
 from pose_mlx.convert import main as convert_main  # noqa: E402
-from pose_mlx.errors import UserError  # noqa: E402
 from pose_mlx.model import gguf as pg  # noqa: E402
 from pose_mlx.model.export import export_model  # noqa: E402
 from pose_mlx.model.gguf.rope_keys import llamacpp_rope, rope_keys  # noqa: E402

@@ -3,12 +3,13 @@
 Two sources: the GGUF file the folder came from, whose tokenizer keys are copied as they are (what llama.cpp read
 before), or the folder's tokenizer.json and tokenizer_config.json:
 
-- byte-level BPE (``gpt2``): the vocabulary and merges; the pre-tokenizer name (``tokenizer.ggml.pre``) is found
-  by encoding a probe text with each of llama.cpp's pre-tokenizers (`PRE_TOKENIZERS`) and keeping the one that
-  splits it as the folder's tokenizer does (llama.cpp's converter identifies it by a hash of such an encoding);
+- byte-level BPE (``gpt2``): the vocabulary and merges; the pre-tokenizer name (``tokenizer.ggml.pre``) is the
+  first of llama.cpp's pre-tokenizers the reader knows (`tokenizer.PRE_TOKENIZERS`; the one that splits more first)
+  that encodes probe texts as the folder's tokenizer does: fixed ones, and texts made of the vocabulary's own
+  tokens with digits, apostrophes or whitespace (llama.cpp's converter identifies it by a hash of an encoding);
 - SentencePiece-style BPE with byte fallback (``llama``): the pieces, scores that rank each merged piece by its
   first merge (llama.cpp merges the adjacent pair whose concatenation scores highest), ``<0xXX>`` byte pieces,
-  and whether a space is prepended.
+  and whether a space is prepended (found by the probes as well).
 
 Special tokens are control tokens, other added tokens user-defined ones; BOS/EOS/UNK/PAD come from
 tokenizer_config.json (or config.json's ids), add_bos/add_eos from what the tokenizer's post-processor adds, the
@@ -24,8 +25,7 @@ from pathlib import Path
 
 from ...errors import UserError
 from .header import ARRAY, Header
-from .tokenizer import (BYTE, CONTROL, NORMAL, PRE_TOKENIZERS, UNKNOWN, UNUSED, USER_DEFINED, _build_tokenizer,
-                        _Vocab)
+from .tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN, UNUSED, USER_DEFINED, _build_tokenizer, _Vocab
 
 # Imported inside functions, on purpose: tokenizers, where it is used (costly to import).
 
