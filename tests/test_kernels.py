@@ -12,7 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from pose_mlx.kernels import attention as blocked
-from pose_mlx.kernels import build, loss, route, rows
+from pose_mlx.kernels import build, loss, route, rows, sizes
 
 from conftest import cpu_only, on_cpu
 
@@ -126,8 +126,8 @@ def _problem(shape, mask_kind, seed=0):
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("mask_kind", MASKS)
 def test_blocked_attention_and_gradients_equal_mlx(path, monkeypatch, shape, mask_kind):
-    monkeypatch.setattr(blocked, "MAX_BLOCK", 8)  # several blocks of queries even at these sizes
-    monkeypatch.setattr(blocked, "MIN_BLOCK", 1)
+    monkeypatch.setattr(sizes, "MAX_BLOCK", 8)  # several blocks of queries even at these sizes
+    monkeypatch.setattr(sizes, "MIN_BLOCK", 1)
     q, k, v, mask = _problem(shape, mask_kind)
     scale = q.shape[-1] ** -0.5
     cot = mx.random.normal((*q.shape[:3], v.shape[-1]), key=mx.random.key(9))
@@ -155,9 +155,9 @@ def test_blocked_attention_of_16_bit_inputs_is_the_float32_result_rounded(path):
 
 def test_blocks_never_exceed_their_byte_budget():
     for b, h, lq, lk in [(1, 9, 1024, 1024), (1, 9, 32768, 32768), (4, 32, 4096, 4096), (1, 1, 10, 10)]:
-        rows_ = blocked.block_rows(b, h, lq, lk)
-        assert 1 <= rows_ <= min(lq, blocked.MAX_BLOCK)
-        assert rows_ == lq or rows_ == blocked.MIN_BLOCK or 4 * b * h * rows_ * lk <= blocked.BLOCK_BYTES
+        rows_ = sizes.block_rows(b, h, lq, lk)
+        assert 1 <= rows_ <= min(lq, sizes.MAX_BLOCK)
+        assert rows_ == lq or rows_ == sizes.MIN_BLOCK or 4 * b * h * rows_ * lk <= sizes.BLOCK_BYTES
 
 
 def _peak(evaluate) -> int:
@@ -183,7 +183,7 @@ def test_blocked_attention_memory_grows_with_length_not_its_square():
     ours = lambda a, b, c: blocked.attention(a, b, c, 0.25, "causal")
     short, long = 512, 2048
     assert peak(mlx_attention, long) > 10 * peak(mlx_attention, short)  # the reference is quadratic
-    block_scores = 4 * 4 * blocked.block_rows(1, 4, long, long) * long
+    block_scores = 4 * 4 * sizes.block_rows(1, 4, long, long) * long
     assert peak(ours, long) < 4 * peak(ours, short) + 4 * block_scores
     assert peak(ours, long) < peak(mlx_attention, long) / 4
 
@@ -197,7 +197,7 @@ def _reference_loss(h, w, t, weights):
 
 @pytest.mark.parametrize("weight_grad", [False, True])
 def test_chunked_loss_and_gradients_equal_the_whole_logits(path, monkeypatch, weight_grad):
-    monkeypatch.setattr(loss, "CHUNK_BYTES", 4 * 61 * 7)  # chunks of 7 rows: the last one shorter
+    monkeypatch.setattr(sizes, "CHUNK_BYTES", 4 * 61 * 7)  # chunks of 7 rows: the last one shorter
     keys = mx.random.split(mx.random.key(5), 3)
     h = mx.random.normal((2, 15, 12), key=keys[0])
     w = mx.random.normal((61, 12), key=keys[1]) * 0.5

@@ -10,7 +10,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from pose_mlx import extend, use_positions
-from pose_mlx.kernels import loss, route, rows
+from pose_mlx.kernels import loss, route, rows, sizes
 from pose_mlx.training.lora import LoraSpec, add_lora
 from pose_mlx.training.loop import TrainConfig, _enable_grad_checkpoint, make_optimizer, make_update, masked_loss
 
@@ -110,7 +110,7 @@ def test_the_loss_never_holds_the_whole_logits(monkeypatch):
     """rows x vocab float32 logits (32 MB here) against chunks of 2 MB: the chunked loss's peak stays far below
     (a quarter of the whole logits allows the chunk, its gradient and the next chunk's logits)."""
     rows_, vocab, hidden = 512, 16384, 32
-    monkeypatch.setattr(loss, "CHUNK_BYTES", 2 << 20)
+    monkeypatch.setattr(sizes, "CHUNK_BYTES", 2 << 20)
     keys = mx.random.split(mx.random.key(0), 3)
     h, w = mx.random.normal((rows_, hidden), key=keys[0]), mx.random.normal((vocab, hidden), key=keys[1])
     t, weights = mx.random.randint(0, vocab, (rows_,), key=keys[2]), mx.ones((rows_,))

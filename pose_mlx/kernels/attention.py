@@ -10,8 +10,8 @@ group stacked as rows and Q pre-scaled (Q' = scale * Q):
     backward, block b:  S again,  dP = dO_b V^T,  dS = P * (dP - D_b)  with D_b = rowsum(dO_b * O_b),
                         dQ_b = scale * dS K,  dK += dS^T Q'_b,  dV += P^T dO_b
 
-Only (O, lse) are kept between the passes: O(L) memory per layer, plus one block's scores (`BLOCK_BYTES`) at a
-time. With a causal mask the block of queries [s, e) reads only the keys [0, e + Lk - Lq) (queries aligned
+Only (O, lse) are kept between the passes: O(L) memory per layer, plus one block's scores at a time
+(`sizes.block_rows`). With a causal mask the block of queries [s, e) reads only the keys [0, e + Lk - Lq) (queries aligned
 bottom-right, as in MLX), so about half of the square is never computed. The row kernels (`rows`) are the
 vectorized C++ ones on the CPU and MLX ops elsewhere. Written in MLX ops only, it runs on every backend and under
 `mx.compile`; results agree with `mx.fast.scaled_dot_product_attention` to float32 rounding (inputs of another
@@ -26,19 +26,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import rows
+from . import rows, sizes
 
-#: Bytes of one block's float32 score matrix (all heads) that fix the block's height, and the height's bounds.
-BLOCK_BYTES = 64 << 20
-MAX_BLOCK = 256
-MIN_BLOCK = 16
 _LOWEST = float(mx.finfo(mx.float32).min)
-
-
-def block_rows(batch: int, heads: int, queries: int, keys: int) -> int:
-    """Queries per block: at most MAX_BLOCK, fewer when one block's scores would pass BLOCK_BYTES."""
-    fit = BLOCK_BYTES // max(4 * batch * heads * keys, 1)
-    return int(min(queries, MAX_BLOCK, max(MIN_BLOCK, fit)))
 
 
 def _additive(mask: mx.array) -> mx.array:
@@ -131,9 +121,9 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     causal = isinstance(mask, str)
     if causal and mask != "causal":
         raise ValueError(f"attention: unknown mask {mask!r}")
-    block = block_rows(b, heads, lq, keys.shape[2])
+    block = sizes.block_rows(b, heads, lq, keys.shape[2])
     masks = (mask,) if isinstance(mask, mx.array) else ()
     return _attention(queries, keys, values, *masks, scale=float(scale), causal=causal, block=block)[0]
 
 
-__all__ = ["BLOCK_BYTES", "MAX_BLOCK", "attention", "block_rows"]
+__all__ = ["attention"]

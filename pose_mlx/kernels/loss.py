@@ -2,11 +2,11 @@
 
     loss = sum_t w_t * (log sum_j exp z_tj - z_t,y_t),   z_t = W h_t  (W the output head, vocab x hidden)
 
-`chunked_cross_entropy(h, W, y, w)` computes it `chunk_rows(vocab)` rows at a time. Differentiated
+`chunked_cross_entropy(h, W, y, w)` computes it `sizes.chunk_rows(vocab)` rows at a time. Differentiated
 (`gradient=True`), each chunk's logit gradient dz = w * (softmax(z) - onehot(y)) is formed while the chunk's
 logits are at hand, in the same pass, and turned at once into dh = dz W (and dW = dz^T h when W is trained): the
 loss is a scalar, so the backward only scales them by its cotangent and no logits are recomputed. Memory: one
-chunk of logits (`CHUNK_BYTES`) instead of rows x vocab floats; at 8k rows and SmolLM2's 49,152 pieces that is
+chunk of logits (`sizes.CHUNK_BYTES`) instead of rows x vocab floats; at 8k rows and SmolLM2's 49,152 pieces that is
 64 MB instead of 1.6 GB.
 """
 
@@ -14,15 +14,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import rows
-
-#: Bytes of one chunk's float32 logits.
-CHUNK_BYTES = 64 << 20
-
-
-def chunk_rows(vocab: int) -> int:
-    return max(1, CHUNK_BYTES // (4 * vocab))
-
+from . import rows, sizes
 
 def _spans(n: int, size: int):
     return [(start, min(start + size, n)) for start in range(0, n, size)]
@@ -73,10 +65,10 @@ def chunked_cross_entropy(hidden: mx.array, weight: mx.array, targets: mx.array,
     with respect to `hidden`, and to W too with `weight_grad`; False: a value only, not differentiable."""
     d = hidden.shape[-1]
     flat = (hidden.reshape(-1, d), weight, targets.reshape(-1), weights.reshape(-1).astype(mx.float32))
-    chunk = chunk_rows(weight.shape[0])
+    chunk = sizes.chunk_rows(weight.shape[0])
     if not gradient:
         return _forward(*flat, chunk)
     return _with_gradients(*flat, chunk=chunk, weight_grad=weight_grad)[0]
 
 
-__all__ = ["CHUNK_BYTES", "chunk_rows", "chunked_cross_entropy"]
+__all__ = ["chunked_cross_entropy"]

@@ -61,14 +61,15 @@ def lacks_fused_backward() -> bool:
 
 @contextlib.contextmanager
 def in_order() -> Iterator[None]:
-    """Evaluate MLX graphs without running ahead, within the block, on the CPU.
+    """Evaluate MLX graphs without running ahead, within the block, on the CPU: what a graph itself holds.
 
     MLX's CPU backend hands each operation to a worker thread and allocates its output as it does, so the main
-    thread may allocate the outputs of about a hundred operations before the worker has computed the first: a graph
-    that works through blocks or chunks (`attention`, `loss`) then holds many blocks at once. MLX waits for the
-    worker whenever the active memory is over its memory limit; setting that limit to the memory in use when the
-    block starts makes every evaluation inside wait for one task at a time, so a graph holds what it needs and no
-    more. No effect off the CPU (a GPU needs the work queued ahead)."""
+    thread may allocate the outputs of about a hundred operations before the worker has computed the first; the
+    peak memory of a graph is then what it holds plus that lead. MLX waits for the worker whenever the active
+    memory is over its memory limit; setting the limit to the memory in use when the block starts makes every
+    evaluation inside wait, one task at a time. Tests and benchmarks measure the kernels' own memory this way.
+    Training does not use it: MLX's wait busy-loops on its last task, which costs a core (about half of a
+    2-core step), and the lead is bounded (`pose_mlx.memory` counts it). No effect off the CPU."""
     if mx.default_device().type != mx.DeviceType.cpu:
         yield
         return

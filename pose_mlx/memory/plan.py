@@ -119,7 +119,7 @@ def run_settings(run, window: int, target: int | None, backend: str | None = Non
                          lora_layers=run.lora_layers, grad_checkpoint=run.grad_checkpoint, compile=run.compile,
                          grad_accum=run.grad_accum, sampler=run.sampler, target=target, backend=backend,
                          row_multiple=row_multiple(run.align_rows, backend),
-                         cudnn=backend != "cuda" or cudnn_capable())
+                         cudnn=backend != "cuda" or cudnn_capable(), kernels=run.kernels)
 
 
 def limit(run) -> tuple[int, str]:

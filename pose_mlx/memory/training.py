@@ -45,6 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import UserError
+from ..kernels import sizes
 from .architecture import Architecture, Linear, architecture
 from .device import BACKENDS
 
@@ -67,6 +68,7 @@ class TrainSettings:
     backend: str = "cpu"  # where MLX computes: "cpu", "metal" or "cuda" (`compute_backend`)
     row_multiple: int = 1  # rows padded to a multiple of this (finetune's --align-rows; 128 when on)
     cudnn: bool = True  # with CUDA: the GPU runs cuDNN's attention (compute capability 8 or newer, `cudnn_capable`)
+    kernels: str = "auto"  # finetune's --kernels: "auto" (pose_mlx.kernels where they apply) or "mlx"
 
     def __post_init__(self):  # the contract: built from validated settings (`run_settings`), or by tests
         assert min(self.window, self.batch_size, self.lora_rank, self.grad_accum) >= 1, self
@@ -127,6 +129,13 @@ COUNTS = {
 }
 
 
+#: The same for training through `pose_mlx.kernels` (--kernels auto on the CPU): blocked attention, the chunked loss
+#: and each step evaluated in order (`kernels.route.in_order`), so that far fewer temporaries are alive at once.
+#: Score-sized arrays are one block of queries' float32 scores, logits one chunk's. Fitted to
+#: benchmarks/bench_plan_sweep.py's runs (small llamas, every mode).
+BLOCKED_COUNTS = dict(COUNTS)
+
+
 @dataclass
 class Estimate:
     """Predicted peak bytes of one training step (or an evaluation), split into what is alive at the peak."""
@@ -155,12 +164,15 @@ def _lora_shapes(arch: Architecture, settings: TrainSettings) -> tuple[int, list
     return blocks, linears
 
 
-def _mlp_saved(arch: Architecture) -> int:
-    """T x intermediate arrays an MLP keeps for its backward: gate, up, sigmoid, silu, product (SwiGLU);
-    gemma's GELU keeps its erf terms too; a plain MLP keeps its input and activation."""
+def _mlp_saved(arch: Architecture, native_swiglu: bool = False) -> int:
+    """T x intermediate arrays an MLP keeps for its backward: gate, up, sigmoid, silu, product (SwiGLU), or gate,
+    up and product with the C++ SwiGLU of `pose_mlx.kernels` (its backward recomputes the sigmoid); gemma's GELU
+    keeps its erf terms too; a plain MLP keeps its input and activation."""
     if not arch.spec.gated:
         return 3
-    return 6 if arch.family in ("gemma", "gemma2") else 5
+    if arch.family in ("gemma", "gemma2"):
+        return 6
+    return 3 if native_swiglu else 5
 
 
 #: The query length MLX's CUDA attention backward needs for cuDNN (mlx/fast.cpp and
@@ -173,7 +185,11 @@ def attention_path(arch: Architecture, settings: TrainSettings) -> str:
     sources): "unfused" (softmax(Q K^T / sqrt(d)) V, scores kept for the backward: the CPU, and Metal, which
     trains unfused on purpose), "fused" (CUDA: cuDNN forward and backward, no score matrix at all: a 16-bit
     model, head dims a multiple of 8 up to 128, rows a multiple of 128) or "fused-forward" (the same on CUDA with
-    other row lengths: the forward is fused, the backward recomputes the scores through the unfused path)."""
+    other row lengths: the forward is fused, the backward recomputes the scores through the unfused path) or
+    "blocked" (`pose_mlx.kernels.attention` on the CPU and Metal with --kernels auto: queries in blocks, no score
+    matrix kept; not for a family that computes attention itself, as gemma2 does for its soft-capping)."""
+    if settings.kernels == "auto" and settings.backend in ("cpu", "metal") and not arch.spec.softcap:
+        return "blocked"
     if settings.backend != "cuda" or not settings.cudnn or arch.dtype not in ("float16", "bfloat16") \
             or arch.spec.softcap:
         return "unfused"
@@ -217,14 +233,18 @@ class _Activation:
     logits: int  # T x vocabulary, float32
     scores: int  # S
     log_sum_exp: int  # batch x heads x L, float32 (what cuDNN's fused backward keeps instead of S)
+    block_scores: int  # the float32 scores of one block of queries of the blocked attention (`kernels.sizes`)
+    chunk_logits: int  # the float32 logits of one chunk of rows of the chunked loss
 
 
 def _activation(arch: Architecture, settings: TrainSettings) -> _Activation:
     c, batch, length = arch.dtype_bytes, settings.batch_size, settings.row_tokens
     tokens = batch * length
+    block = sizes.block_rows(batch, arch.heads, length, length)
     return _Activation(tokens, tokens * arch.hidden * c, tokens * arch.q_dims * c, tokens * arch.kv_dims * c,
                        tokens * arch.intermediate * c, tokens * arch.vocab * 4,
-                       batch * arch.heads * length * length * c, batch * arch.heads * length * 4)
+                       batch * arch.heads * length * length * c, batch * arch.heads * length * 4,
+                       4 * batch * arch.heads * block * length, 4 * min(tokens, sizes.chunk_rows(arch.vocab)) * arch.vocab)
 
 
 @dataclass(frozen=True)
@@ -273,9 +293,12 @@ def _block(arch: Architecture, settings: TrainSettings, counts: Counts, act: _Ac
            path: str) -> _Block:
     c, norms = arch.dtype_bytes, arch.spec.block_norms
     qk_norms = 8 * (act.queries + act.keys) // c if arch.spec.qk_norm else 0  # normalized input and output
+    native = path == "blocked" and settings.backend == "cpu" and c == 4  # the C++ SwiGLU (float32 on a Linux CPU)
     everything = (2 * act.hidden + norms * 8 * act.hidden // c + 2 * act.queries + 2 * act.keys
-                  + _mlp_saved(arch) * act.intermediate + qk_norms + trained.adapter_activations)
+                  + _mlp_saved(arch, native) * act.intermediate + qk_norms + trained.adapter_activations)
     scores = act.scores * (2 if arch.spec.softcap else 1)
+    if path == "blocked":  # the blocked attention keeps the float32 log-sum-exp of each query, no scores
+        everything += act.log_sum_exp
     if settings.grad_checkpoint:  # the block input stays; the block being differentiated is recomputed
         hidden_arrays, intermediate_arrays, score_arrays = counts.checkpointed
         saved = act.hidden + hidden_arrays * act.hidden + intermediate_arrays * act.intermediate
@@ -307,13 +330,15 @@ def _working_sets(arch: Architecture, settings: TrainSettings, counts: Counts, a
     logit_copies, hidden_arrays, intermediate_arrays = counts.head
     logits = logit_copies * act.logits + (act.tokens * arch.vocab * c if c < 4 else 0) \
         + (2 * act.logits if arch.spec.softcap else 0)
+    if path == "blocked":  # the chunked loss: chunks of logits, and the hidden states' gradient formed beside them
+        logits = logit_copies * act.chunk_logits + act.tokens * arch.hidden * (4 + c)
     # in a 16-bit model about half of these temporaries are float32 (RMSNorm, RoPE, loss, LoRA)
     wide = (c + 4) / (2 * c)
     head = wide * (hidden_arrays * act.hidden + intermediate_arrays * act.intermediate)
     score_arrays, hidden_arrays, intermediate_arrays = counts.backward
     if c < 4 and counts.backward16:  # measured apart: a 16-bit model's casts add float32 temporaries
         (hidden_arrays, intermediate_arrays), wide = counts.backward16, 4 / c
-    backward_scores = 0 if path == "fused" else score_arrays * act.scores
+    backward_scores = {"fused": 0, "blocked": score_arrays * act.block_scores}.get(path, score_arrays * act.scores)
     backward = wide * (hidden_arrays * act.hidden + intermediate_arrays * act.intermediate)
     if not settings.lora:  # weight gradients already allocated by the evaluator running ahead
         embeddings, blocks = counts.gradients
@@ -341,7 +366,7 @@ def _phases(arch: Architecture, settings: TrainSettings, counts: Counts, act: _A
     last = max(range(1, n + 1), key=lambda k: k * (saved + saved_scores) + (n - k) * kept)
     phases["backward"] = {**persistent, "activations": last * saved + (n - last) * kept,
                           "attention_scores": last * saved_scores + work_scores + block.recomputed_scores,
-                          "logits": counts.backward_logits * act.logits,
+                          "logits": counts.backward_logits * (act.chunk_logits if path == "blocked" else act.logits),
                           "backward_temporaries": work_rest + block.recomputed, "update_temporaries": 0}
     in_flight = min(trained.arrays, counts.update)
     phases["update"] = {**persistent, "gradients": gradients, "activations": 0, "attention_scores": 0, "logits": 0,
@@ -360,10 +385,11 @@ def training_memory(config: dict | Architecture, settings: TrainSettings) -> Est
     arch = config if isinstance(config, Architecture) else architecture(config)
     if not settings.lora and arch.quant_bits:
         raise UserError("full fine-tuning cannot train a quantized model; use LoRA (--lora) or an unquantized base")
-    counts = COUNTS[(settings.lora, settings.compile, settings.grad_checkpoint)]
+    path = attention_path(arch, settings)
+    counts = (BLOCKED_COUNTS if path == "blocked" else COUNTS)[(settings.lora, settings.compile,
+                                                                 settings.grad_checkpoint)]
     act = _activation(arch, settings)
     trained = _trained(arch, settings, act)
-    path = attention_path(arch, settings)
     block = _block(arch, settings, counts, act, trained, path)
     phases = _phases(arch, settings, counts, act, trained, block, path)
     totals = {name: sum(parts.values()) for name, parts in phases.items()}

@@ -432,9 +432,6 @@ def make_update(model: nn.Module, optimizer: optim.Optimizer, config: TrainConfi
         state = [model.state, optimizer.state]
         apply = mx.compile(apply, inputs=state, outputs=state)
 
-    # the blocked attention and chunked loss need their graphs evaluated in order to stay within their memory
-    in_order = route.in_order if config.kernels == "auto" else contextlib.nullcontext
-
     def update(batches, stop: bool = False) -> UpdateResult:
         grads, losses, tokens, stops = None, [], 0, 0
         flag = mx.array(1.0 if stop else 0.0)
@@ -443,8 +440,7 @@ def make_update(model: nn.Module, optimizer: optim.Optimizer, config: TrainConfi
             loss, g, count, asked = gradients(mx.array(batch.inputs), mx.array(batch.targets),
                                               mx.array(batch.mask), position_inputs(batch), flag)
             if config.grad_accum > 1:
-                with in_order():
-                    mx.eval(loss, g, count, asked)  # one micro-batch's graph at a time
+                mx.eval(loss, g, count, asked)  # one micro-batch's graph at a time
             grads = g if grads is None else tree_map(mx.add, grads, g)
             losses.append(loss)
             tokens, stops = tokens + count, stops + asked
@@ -453,8 +449,7 @@ def make_update(model: nn.Module, optimizer: optim.Optimizer, config: TrainConfi
         norm = apply(grads)
         mean_loss = losses[0] if len(losses) == 1 else mx.mean(mx.stack(losses))
         report = mx.stack([mean_loss.astype(mx.float32), norm.astype(mx.float32), tokens, stops])
-        with in_order():
-            mx.eval(model.parameters(), optimizer.state, report)
+        mx.eval(model.parameters(), optimizer.state, report)
         loss, norm, tokens, stops = report.tolist()
         return UpdateResult(loss, norm, int(tokens), stops > 0 if distributed else stop)
 
