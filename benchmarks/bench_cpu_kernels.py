@@ -35,7 +35,7 @@ from pose_mlx.eval import cpu_attention
 from pose_mlx.kernels import attention as blocked
 from pose_mlx.kernels import build, loss, route, rows
 
-from benchmarks.common import matmul_gflops, write_results
+from benchmarks.common import ROOT, matmul_gflops, write_between, write_results
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, VOCAB = 9, 3, 64, 576, 49152
 
@@ -161,6 +161,33 @@ def measured(make_cases, lengths: list[int], reps: int) -> dict:
     return out
 
 
+ELEMENTWISE_ROWS = [  # (record key, what the table says)
+    ("mx.exp", "MLX `mx.exp` (one scalar at a time)"),
+    ("compiled polynomial exp", "a polynomial `exp` in MLX ops under `mx.compile`"),
+    ("np.exp", "NumPy `np.exp`"),
+    ("C++ softmax_rows (exp and sum)", "the C++ kernel (`exp` and a row sum)"),
+    ("mx.multiply", "MLX `mx.multiply` (memory-bound yardstick)"),
+    ("nn.silu(g) * u", "MLX `nn.silu(g) * u`"),
+    ("C++ swiglu", "the C++ SwiGLU"),
+]
+
+
+def markdown(record: dict) -> str:
+    """docs/cpu-training.md's tables: element rates, then attention and loss (forward + backward) per length."""
+    rates = record["elementwise"]["m_elements_per_s"]
+    lines = ["| exp over 16M float32 elements | M elements/s |", "|---|---|"]
+    lines += [f"| {label} | {rates[key]:,.0f} |" for key, label in ELEMENTWISE_ROWS if key in rates]
+    for part, title in (("attention", "one SmolLM2-135M attention layer, forward + backward"),
+                        ("loss", "the loss over SmolLM2's 49,152 pieces, forward + backward")):
+        cases = record[part]
+        names = list(next(iter(cases.values())))
+        lines += ["", f"| {title} | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+        for length, row in cases.items():
+            cells = [f"{row[n]['seconds']:.3f} s, {row[n]['peak_bytes'] / 2**20:,.0f} MiB" for n in names]
+            lines.append(f"| {int(length):,} tokens | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default="1024,4096", help="tokens of the attention and loss cases")
@@ -174,6 +201,7 @@ def main(argv=None) -> None:
     results["loss"] = measured(loss_cases, lengths, args.reps)
     results["matmul_gflops_after"] = matmul_gflops()
     print(write_results("cpu_kernels", results))
+    write_between(ROOT / "docs" / "cpu-training.md", "cpu-kernels", markdown(results))
 
 
 if __name__ == "__main__":

@@ -40,8 +40,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import (DOCS, PEAK, RESULTS_DIR, OutOfTime, child_env, matmul_gflops, model_file, periods,
-                               run_tool, set_budget, time_left, write_results)
+from benchmarks.common import (DOCS, PEAK, RESULTS_DIR, ROOT, OutOfTime, child_env, matmul_gflops, model_file,
+                               periods, run_tool, set_budget, time_left, write_between, write_results)
 
 RAW = RESULTS_DIR / "cpu_train.jsonl"
 WORK = Path(tempfile.gettempdir()) / "pose_mlx_bench_cpu_train"
@@ -221,6 +221,24 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def markdown(results: dict) -> str:
+    """docs/cpu-training.md's table: each configuration, both tools."""
+    lines = ["| configuration | pose_mlx s/update | mlx_lm lora s/update | speed-up | pose_mlx tokens/s | MFU pose_mlx / "
+             "mlx_lm | peak memory pose_mlx / mlx_lm |", "|---|---|---|---|---|---|---|"]
+    for config, entry in results.items():
+        ours, theirs = entry["pose_mlx"], entry["mlx_lm"]
+        ran = "seconds_per_update" in theirs
+        lines.append("| " + " | ".join([
+            config, f"{ours['seconds_per_update']:,.1f}",
+            f"{theirs['seconds_per_update']:,.1f}" if ran else "not run: does not fit",
+            f"**{entry['speedup']:.1f}x**" if ran else "",
+            f"{ours['tokens_per_s']:,.0f}",
+            f"{ours['mfu']:.0%} / {theirs['mfu']:.0%}" if ran else f"{ours['mfu']:.0%} / -",
+            f"{ours['peak_bytes'] / 2**30:.2f} / {theirs['peak_bytes'] / 2**30:.2f} GiB" if ran
+            else f"{ours['peak_bytes'] / 2**30:.2f} GiB / -"]) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"some of {', '.join(CONFIGS)}")
@@ -245,6 +263,7 @@ def main(argv=None) -> None:
     print(write_results("cpu_train", {"configs": results, "kernels": dict(build.status), "rank": RANK,
                                       "scale": SCALE}))
     plot(results, RESULTS_DIR / "cpu_train.png")
+    write_between(ROOT / "docs" / "cpu-training.md", "cpu-train", markdown(results))
 
 
 if __name__ == "__main__":

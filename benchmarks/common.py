@@ -59,6 +59,19 @@ def write_results(name: str, results: dict, path: str | Path | None = None) -> P
     return path
 
 
+def write_between(path: Path, name: str, body: str) -> str:
+    """Replace what `path` holds between its `<!-- NAME:begin ... -->` and `<!-- NAME:end -->` lines by `body`
+    (the markers stay); returns the block as written. SystemExit when the markers are missing."""
+    text = path.read_text()
+    begin, end = f"<!-- {name}:begin", f"<!-- {name}:end -->"
+    start, stop = text.find(begin), text.find(end)
+    if start < 0 or stop < start:
+        raise SystemExit(f"{path}: no {begin} ... {end} markers")
+    start = text.index("\n", start) + 1
+    path.write_text(text[:start] + body.rstrip("\n") + "\n" + text[stop:])
+    return body
+
+
 def child_env(**extra: str) -> dict:
     """The environment of a child process: this one's, with this checkout first on PYTHONPATH (so `pose_mlx` and
     `benchmarks` resolve to it), output unbuffered and uncoloured, and `extra`."""

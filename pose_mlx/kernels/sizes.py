@@ -5,10 +5,10 @@
 - loss: `chunk_rows` rows of float32 logits at a time, CHUNK_BYTES of them.
 """
 
-BLOCK_BYTES = 64 << 20
+BLOCK_BYTES = 16 << 20
 MAX_BLOCK = 256
 MIN_BLOCK = 16
-CHUNK_BYTES = 64 << 20
+CHUNK_BYTES = 16 << 20
 
 
 def block_rows(batch: int, heads: int, queries: int, keys: int) -> int:
