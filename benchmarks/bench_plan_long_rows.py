@@ -8,7 +8,9 @@ logits array 1.6 GB. Here each configuration is bench_plan.py's measurement (a r
 --steps 3` in its own process; measured = the largest `peak_memory_gb` of its log): LoRA rank 16 on every block,
 gradient checkpointing, one full-length row of 2k-8k input tokens, on random llamas with SmolLM2-135M's block
 (hidden 576, 9 query and 3 key-value heads, head dim 64, intermediate 1536, float32) at 2, 6 and 12 blocks, with a
-512-piece vocabulary or SmolLM2's 49,152 (the same tokenizer; only the embedding grows), compiled and eager.
+512-piece vocabulary or SmolLM2's 49,152 (the same tokenizer; only the embedding grows), compiled and eager,
+through MLX's own attention and loss (`--kernels mlx`: what `memory.COUNTS` models, and what every GPU but Metal
+trains; `bench_plan_sweep.py` covers pose_mlx.kernels' path).
 
 Measurements are appended to `results/plan_long_rows.jsonl` as they finish (a run resumes from it). Predictions
 are made afterwards by today's planner from each model's config.json alone, and the real model's measured
@@ -62,7 +64,7 @@ def model_folder(work: Path, blocks: int, vocab: int) -> Path:
 
 def flags(folder: Path, rows: int, compiled: bool, work: Path, index: int) -> list[str]:
     """finetune's flags: full-length rows of `rows` inputs (target rows + 1), LoRA rank 16, checkpointing."""
-    run = (folder.name, 1024, rows + 1, "full", 1, False, True, compiled, ["--lora-rank", "16"])
+    run = (folder.name, 1024, rows + 1, "full", 1, False, True, compiled, ["--lora-rank", "16", "--kernels", "mlx"])
     return bench_plan.finetune_flags(folder, run, work, index)
 
 
@@ -92,7 +94,7 @@ def raw_records() -> list[dict]:
 def settings_of(rows: int, compiled: bool) -> memory.TrainSettings:
     """The memory model's view of `flags`: what `pose_mlx.plan` derives from them."""
     return memory.TrainSettings(window=1024, target=rows + 1, sampler="full", lora_rank=16, grad_checkpoint=True,
-                                compile=compiled)
+                                compile=compiled, kernels="mlx")
 
 
 def predicted_row(record: dict) -> dict:
@@ -113,7 +115,8 @@ def real_model_rows() -> tuple[list[dict], list[dict]]:
     measured, unmeasured = [], []
     for path in sorted(COST.glob("*.json")):
         for r in json.loads(path.read_text())["records"]:
-            argv = finetune_args(r["method"], r["window"], model_file(), COST, COST, 3, r["grad_checkpoint"])
+            argv = finetune_args(r["method"], r["window"], model_file(), COST, COST, 3, r["grad_checkpoint"],
+                                 r.get("kernels", "mlx"))
             _s, ref, config, settings = planner.planned_run(argv)
             arch = memory.loaded_architecture(config, ref, settings.backend)
             now = memory.training_memory(arch, settings).peak

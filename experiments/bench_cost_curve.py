@@ -52,14 +52,15 @@ def parse_configs(text: str) -> list[tuple[str, int]]:
 
 
 def finetune_args(method: str, window: int, gguf: Path, data: Path, work: Path, steps: int,
-                  checkpoint: bool) -> list[str]:
-    """The flags shared by the run and its plan."""
+                  checkpoint: bool, kernels: str = "auto") -> list[str]:
+    """The flags shared by the run and its plan (a record without `kernels` ran before pose_mlx.kernels existed,
+    through MLX's own attention and loss: "mlx")."""
     original = 8192 if method == "pose" or window > 8192 else window // 2
     target = POSE_TARGET if method == "pose" else window
     return ["--model", str(gguf), "--original", str(original), "--target", str(target), "--window",
             str(1024 if method == "full" else window), "--sampler", method, "--schedule", "yarn", "--lora-rank", "16",
             "--batch-size", "1", "--steps", str(steps), "--warmup", "1", "--lr", "3e-5", "--data", str(data),
-            "--cache-dir", str(work / "cache"), *(["--grad-checkpoint"] if checkpoint else [])]
+            "--cache-dir", str(work / "cache"), "--kernels", kernels, *(["--grad-checkpoint"] if checkpoint else [])]
 
 
 def predicted(argv: list[str]) -> dict:
@@ -88,7 +89,8 @@ def measure(method: str, window: int, gguf: Path, data: Path, work: Path, steps:
     When the budget stops the run after two or more updates, what they measured is the record, marked
     `stopped_early`; before that, `OutOfTime` goes on up."""
     argv = finetune_args(method, window, gguf, data, work, steps, checkpoint)
-    record = {"method": method, "window": window, "grad_checkpoint": checkpoint, "device": device(), **predicted(argv)}
+    record = {"method": method, "window": window, "grad_checkpoint": checkpoint, "kernels": "auto", "device": device(),
+              **predicted(argv)}
     if not record["fits"]:
         record["not_measured"] = "the planner predicts it does not fit in this machine's memory"
         return record

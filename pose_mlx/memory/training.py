@@ -234,17 +234,20 @@ class _Activation:
     scores: int  # S
     log_sum_exp: int  # batch x heads x L, float32 (what cuDNN's fused backward keeps instead of S)
     block_scores: int  # the float32 scores of one block of queries of the blocked attention (`kernels.sizes`)
+    blocks: int  # blocks of queries per row
     chunk_logits: int  # the float32 logits of one chunk of rows of the chunked loss
+    chunks: int  # chunks of rows per step
 
 
 def _activation(arch: Architecture, settings: TrainSettings) -> _Activation:
     c, batch, length = arch.dtype_bytes, settings.batch_size, settings.row_tokens
     tokens = batch * length
-    block = sizes.block_rows(batch, arch.heads, length, length)
+    block, chunk = sizes.block_rows(batch, arch.heads, length, length), sizes.chunk_rows(arch.vocab)
     return _Activation(tokens, tokens * arch.hidden * c, tokens * arch.q_dims * c, tokens * arch.kv_dims * c,
                        tokens * arch.intermediate * c, tokens * arch.vocab * 4,
                        batch * arch.heads * length * length * c, batch * arch.heads * length * 4,
-                       4 * batch * arch.heads * block * length, 4 * min(tokens, sizes.chunk_rows(arch.vocab)) * arch.vocab)
+                       4 * batch * arch.heads * block * length, -(-length // block),
+                       4 * min(tokens, chunk) * arch.vocab, -(-tokens // chunk))
 
 
 @dataclass(frozen=True)
@@ -305,8 +308,8 @@ def _block(arch: Architecture, settings: TrainSettings, counts: Counts, act: _Ac
         saved_scores, recomputed, recomputed_scores = score_arrays * act.scores, everything, scores
     else:
         saved, saved_scores, recomputed, recomputed_scores = everything, scores, 0, 0
-    if path != "unfused":  # the fused forward keeps no scores; the unfused backward recomputes them
-        saved_scores, recomputed_scores = 0, (0 if path == "fused" else scores)
+    if path != "unfused":  # fused and blocked keep no scores; the fused forward's unfused backward recomputes them
+        saved_scores, recomputed_scores = 0, (scores if path == "fused-forward" else 0)
     if path == "fused":  # cuDNN's backward keeps the float32 log-sum-exp of each query instead
         saved += act.log_sum_exp if not settings.grad_checkpoint else 0
         recomputed += act.log_sum_exp
@@ -330,15 +333,16 @@ def _working_sets(arch: Architecture, settings: TrainSettings, counts: Counts, a
     logit_copies, hidden_arrays, intermediate_arrays = counts.head
     logits = logit_copies * act.logits + (act.tokens * arch.vocab * c if c < 4 else 0) \
         + (2 * act.logits if arch.spec.softcap else 0)
-    if path == "blocked":  # the chunked loss: chunks of logits, and the hidden states' gradient formed beside them
-        logits = logit_copies * act.chunk_logits + act.tokens * arch.hidden * (4 + c)
+    if path == "blocked":  # the chunked loss: the chunks MLX queued ahead, and the hidden states' gradient
+        logits = min(logit_copies, act.chunks) * act.chunk_logits + act.tokens * arch.hidden * (4 + c)
     # in a 16-bit model about half of these temporaries are float32 (RMSNorm, RoPE, loss, LoRA)
     wide = (c + 4) / (2 * c)
     head = wide * (hidden_arrays * act.hidden + intermediate_arrays * act.intermediate)
     score_arrays, hidden_arrays, intermediate_arrays = counts.backward
     if c < 4 and counts.backward16:  # measured apart: a 16-bit model's casts add float32 temporaries
         (hidden_arrays, intermediate_arrays), wide = counts.backward16, 4 / c
-    backward_scores = {"fused": 0, "blocked": score_arrays * act.block_scores}.get(path, score_arrays * act.scores)
+    blocked = min(score_arrays, 3 * act.blocks) * act.block_scores  # the blocks queued ahead, three arrays each
+    backward_scores = {"fused": 0, "blocked": blocked}.get(path, score_arrays * act.scores)
     backward = wide * (hidden_arrays * act.hidden + intermediate_arrays * act.intermediate)
     if not settings.lora:  # weight gradients already allocated by the evaluator running ahead
         embeddings, blocks = counts.gradients
