@@ -403,17 +403,18 @@ def run_tool(cmd: list[str], tool: str, args, timeout: float | None = None, log:
     def read(stream, name):
         pending = b""
         for chunk in iter(lambda: os.read(stream.fileno(), 65536), b""):
-            now, (cpu, switches) = time.perf_counter(), _clocks(proc.pid)
-            pending += chunk
+            now, clocks = time.perf_counter(), None  # the child's clocks are read only for a report (a progress
+            pending += chunk                          # bar redrawn many times a second would cost this process CPU)
             *pieces, pending = re.split(rb"[\r\n]", pending)
             for piece in pieces:
                 text = _ANSI.sub("", piece.decode("utf-8", "replace"))
                 texts[name].append(text)
                 found = (_POSE_BAR.search(text) if tool == "pose_mlx" and name == "stderr" else
                          MLX_LM_LINE.match(text) if tool == "mlx_lm" and name == "stdout" else None)
-                if found:
+                if found and int(found.group(1)) not in marks:
+                    clocks = clocks or _clocks(proc.pid)
                     with lock:
-                        marks.setdefault(int(found.group(1)), (now, cpu, switches))
+                        marks.setdefault(int(found.group(1)), (now, *clocks))
         texts[name].append(_ANSI.sub("", pending.decode("utf-8", "replace")))
 
     readers = [threading.Thread(target=read, args=(proc.stdout, "stdout")),
