@@ -152,6 +152,22 @@ def loss_cases(length: int) -> dict:
             "chunked, MLX-op rows": _without_native(lambda: mx.eval(mx.grad(chunked)(h)))}
 
 
+def block_heights(length: int, heights: list[int], reps: int) -> dict:
+    """Seconds of one attention layer's forward + backward at `length` with blocks of each height (C++ rows)."""
+    from pose_mlx.kernels import sizes
+
+    saved = sizes.MAX_BLOCK, sizes.MIN_BLOCK
+    step = attention_cases(length)["blocked, C++ rows"]
+    seconds = {}
+    try:
+        for height in heights:
+            sizes.MAX_BLOCK = sizes.MIN_BLOCK = height
+            seconds[str(height)] = interleaved({"step": step}, reps)["step"]
+    finally:
+        sizes.MAX_BLOCK, sizes.MIN_BLOCK = saved
+    return {"length": length, "seconds": seconds}
+
+
 def measured(make_cases, lengths: list[int], reps: int) -> dict:
     out = {}
     for length in lengths:
@@ -185,6 +201,10 @@ def markdown(record: dict) -> str:
         for length, row in cases.items():
             cells = [f"{row[n]['seconds']:.3f} s, {row[n]['peak_bytes'] / 2**20:,.0f} MiB" for n in names]
             lines.append(f"| {int(length):,} tokens | " + " | ".join(cells) + " |")
+    heights = record["block_heights"]
+    lines += ["", f"| queries per block (one layer at {heights['length']:,} tokens, forward + backward) | "
+              + " | ".join(heights["seconds"]) + " |", "|---|" + "---|" * len(heights["seconds"]),
+              "| seconds | " + " | ".join(f"{s:.2f}" for s in heights["seconds"].values()) + " |"]
     return "\n".join(lines) + "\n"
 
 
@@ -199,6 +219,7 @@ def main(argv=None) -> None:
     results["elementwise"] = elementwise(args.reps)
     results["attention"] = measured(attention_cases, lengths, args.reps)
     results["loss"] = measured(loss_cases, lengths, args.reps)
+    results["block_heights"] = block_heights(8192, [64, 128, 256, 512], max(2, args.reps // 2))
     results["matmul_gflops_after"] = matmul_gflops()
     print(write_results("cpu_kernels", results))
     write_between(ROOT / "docs" / "cpu-training.md", "cpu-kernels", markdown(results))

@@ -1,13 +1,15 @@
 """The sizes of the kernels' blocks and chunks (no MLX here: the memory planner reads them too).
 
 - attention: queries are taken `block_rows` at a time, at most MAX_BLOCK, fewer when one block's float32 scores
-  (batch x heads x rows x keys x 4 bytes) would pass BLOCK_BYTES, never fewer than MIN_BLOCK;
+  (batch x heads x rows x keys x 4 bytes) would pass BLOCK_BYTES, never fewer than MIN_BLOCK (every block adds a
+  pass over the keys' gradients, so that fewer rows cost more time than they save memory:
+  benchmarks/bench_cpu_kernels.py times one layer at several block heights);
 - loss: `chunk_rows` rows of float32 logits at a time, CHUNK_BYTES of them.
 """
 
-BLOCK_BYTES = 16 << 20
+BLOCK_BYTES = 32 << 20
 MAX_BLOCK = 256
-MIN_BLOCK = 16
+MIN_BLOCK = 128
 CHUNK_BYTES = 16 << 20
 
 
