@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.common import RESULTS_DIR, child_env, write_results
+from benchmarks.common import RESULTS_DIR, ROOT, child_env, write_between, write_results
 
 RAW = RESULTS_DIR / "plan_sweep.jsonl"
 
@@ -116,6 +116,22 @@ def records() -> list[dict]:
     return [json.loads(line) for line in RAW.read_text().splitlines() if line.strip()] if RAW.exists() else []
 
 
+def markdown(rows: list[dict]) -> str:
+    """docs/memory.md's table: per mode, the runs and the planner's errors on them."""
+    lines = ["| training | compiled | checkpointing | runs | median error | largest errors |", "|---|---|---|---|---|---|"]
+    for lora in (True, False):
+        for compiled in (True, False):
+            for checkpoint in (False, True):
+                errors = sorted(r["error"] for r in rows
+                                if (r["lora"], r["compile"], r["checkpoint"]) == (lora, compiled, checkpoint))
+                if not errors:
+                    continue
+                lines.append(f"| {'LoRA' if lora else 'full'} | {'yes' if compiled else 'no'} | "
+                             f"{'on' if checkpoint else 'off'} | {len(errors)} | "
+                             f"{statistics.median(abs(e) for e in errors):.1%} | {errors[0]:+.1%} .. {errors[-1]:+.1%} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--count", type=int, default=96, help="runs (every mode in turn)")
@@ -140,6 +156,7 @@ def main(argv=None) -> None:
                "median_abs_error": statistics.median(errors) if errors else None,
                "worst": max(rows, key=lambda r: abs(r["error"])) if rows else None}
     print(write_results("plan_sweep", {"summary": summary, "runs": rows}))
+    write_between(ROOT / "docs" / "memory.md", "blocked-plan", markdown(rows))
 
 
 if __name__ == "__main__":
