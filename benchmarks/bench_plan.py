@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import RESULTS_DIR, ROOT, write_results
+from benchmarks.common import RESULTS_DIR, ROOT, write_between, write_results
 from pose_mlx import memory
 from pose_mlx import plan as planner
 from pose_mlx.eval.passkey import MAX_NEW_TOKENS
@@ -266,8 +266,13 @@ def main() -> None:
                         help="run only the evaluation check and update it in the existing results JSON")
     parser.add_argument("--merge", action="store_true",
                         help="merge the --runs into the existing results JSON instead of replacing it")
+    parser.add_argument("--tables-only", action="store_true",
+                        help="measure nothing: the Llama-2 tables again from today's planner, in the results JSON "
+                             "and the docs")
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
+    if args.tables_only:
+        return write_tables(Path(args.output) if args.output else RESULTS_DIR / "plan.json")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench-plan-"))
     workdir.mkdir(parents=True, exist_ok=True)
     indices = [int(i) for i in args.runs.split(",")] if args.runs else range(len(RUNS))
@@ -313,21 +318,34 @@ def main() -> None:
         "target_met": bool(errors) and sum(e > 0.10 for e in errors) <= 1 and max(errors) <= 0.25,
         "eval_max_abs_error": max((abs(e["error"]) for e in evals), default=None),
     }
-    md = ("## Predicted vs measured peak memory of `python -m pose_mlx.finetune --steps 3`\n\n"
-          + markdown_training(rows) + "\n\n## What fits on a Mac: Llama-2 extended from 4k to 32k "
-          f"(Metal; usable memory = {USABLE:.0%} of the machine's)\n\n" + markdown_llama(llama)
-          + "\n\n## The same on MLX's CPU backend\n\n" + markdown_llama(llama_cpu) + "\n")
     results = {
         "description": __doc__.split("\n")[0], "data": DATA,
         "models": {**previous.get("models", {}), **{k: {**MODELS.get(k, {}), **({"cast_from": CAST[k][0], "dtype": CAST[k][1]} if k in CAST else {}),
                        **({"gguf": GGUF[k].name} if k in GGUF else {}), "parameters": params[k]} for k in params}},
         "training": rows, "evaluation": evals, "summary": summary, "llama2": llama, "llama2_cpu": llama_cpu, "llama2_configs": LLAMA2,
-        "usable_fraction": USABLE, "markdown": md,
+        "usable_fraction": USABLE,
     }
     path = write_results("plan", results, args.output)
-    md_path = Path(args.output).with_suffix(".md") if args.output else RESULTS_DIR / "plan.md"
-    md_path.write_text(md)
-    print(json.dumps(summary), f"\nwrote {path} and {md_path}")
+    print(json.dumps(summary))
+    write_tables(path)
+
+
+def write_tables(path: Path) -> None:
+    """The Llama-2 tables from today's planner: into the record at `path`, its .md beside it, and (for the
+    repository's own record) docs/memory.md (Metal) and docs/results.md (CPU) between their markers."""
+    results = json.loads(path.read_text())
+    results["llama2"], results["llama2_cpu"] = llama2_table(), llama2_table("cpu")
+    metal, cpu = markdown_llama(results["llama2"]), markdown_llama(results["llama2_cpu"])
+    results["markdown"] = ("## Predicted vs measured peak memory of `python -m pose_mlx.finetune --steps 3`\n\n"
+                           + markdown_training(results["training"]) + "\n\n## What fits on a Mac: Llama-2 extended "
+                           f"from 4k to 32k (Metal; usable memory = {USABLE:.0%} of the machine's)\n\n" + metal
+                           + "\n\n## The same on MLX's CPU backend\n\n" + cpu + "\n")
+    write_results("plan", results, path)
+    path.with_suffix(".md").write_text(results["markdown"])
+    if path.resolve() == (RESULTS_DIR / "plan.json").resolve():
+        write_between(ROOT / "docs" / "memory.md", "llama2-metal", metal)
+        write_between(ROOT / "docs" / "results.md", "llama2-cpu", cpu)
+    print(f"wrote {path} and {path.with_suffix('.md')}")
 
 
 if __name__ == "__main__":

@@ -133,15 +133,18 @@ CLAIMS = [
      lambda: [100 * _long_real("pose", 1024)["error"], 100 * _long_real("pose", 2048)["error"],
               -100 * _long_real("full", 8192)["error"]]
      + [r["predicted_bytes"] / 1e9 for r in _long_rows()["real_model_unmeasured"]]),
-    ("docs/results.md", "(75% of 32 GB) prints the {} peak, \"does NOT fit\", and among its changes the 4-bit base at {};",
-     lambda: [_llama("cpu", "Llama-2-7B", "PoSE", "fp16"), _llama("cpu", "Llama-2-7B", "PoSE", "4-bit")]),
-    ("docs/results.md", "predicted at {} for 7B (a 64 GB Mac; {} with a 4-bit base, 32 GB) and {} for 13B (128 GB; {} "
-     "with a 4-bit base, 64 GB). Full-length fine-tuning at 32k needs {} even with checkpointing.",
-     lambda: [_llama("metal", m, "PoSE", b) for m in ("Llama-2-7B", "Llama-2-13B") for b in ("fp16", "4-bit")]
-     + [_full_length_tb()]),
-    ("docs/memory.md", "full-length fine-tuning at 32k needs {} even with checkpointing. On the CPU backend the same runs "
-     "are predicted lower (7B LoRA with checkpointing: {})",
-     lambda: [_full_length_tb(), _llama("cpu", "Llama-2-7B", "PoSE", "fp16")]),
+    ("docs/results.md", "(75% of 32 GB) prints the {} peak, \"{}\", and among its changes the 4-bit base at {};",
+     lambda: [_llama("cpu", "Llama-2-7B", "PoSE", "fp16"), "fits" if _smallest("cpu", "Llama-2-7B", "fp16") <= 32
+              else "does NOT fit", _llama("cpu", "Llama-2-7B", "PoSE", "4-bit")]),
+    ("docs/results.md", "predicted at {} for 7B (a {} GB Mac; {} with a 4-bit base, {} GB) and {} for 13B ({} GB; {} "
+     "with a 4-bit base, {} GB). Full-length fine-tuning at 32k needs {} even with checkpointing.",
+     lambda: [x for m in ("Llama-2-7B", "Llama-2-13B") for b in ("fp16", "4-bit")
+              for x in (_llama("metal", m, "PoSE", b), _smallest("metal", m, b))] + [_full_length_tb()]),
+    ("docs/memory.md", "PoSE's 4k window with LoRA and checkpointing fits a {} GB Mac for 7B ({} GB with a 4-bit base) "
+     "and a {} GB Mac for 13B ({} GB with a 4-bit base); full-length fine-tuning at 32k needs {} even with "
+     "checkpointing. On the CPU backend the same runs are predicted lower (7B LoRA with checkpointing: {})",
+     lambda: [_smallest("metal", m, b) for m in ("Llama-2-7B", "Llama-2-13B") for b in ("fp16", "4-bit")]
+     + [_full_length_tb(), _llama("cpu", "Llama-2-7B", "PoSE", "fp16")]),
     ("docs/evidence.md", "base {:.2f}, dynamic NTK {:.2f} (it scales nothing within the original window), YaRN {:.2f}, "
      "adapt-yarn {:.2f}, adapt-dynamic {:.2f}, PoSE + YaRN {:.2f}. PoSE + YaRN reads short text in a domain it never saw "
      "{:.1f}% worse than the base, where YaRN alone at 8x is {:.1f}% worse.",
@@ -182,6 +185,15 @@ def _llama(backend: str, model: str, sampler: str, base: str) -> str:
     row = next(r for r in llama2_table(backend) if (r["model"], r["sampler"].split()[0], r["base"], r["training"],
                                                     r["grad_checkpoint"]) == (model, sampler, base, "LoRA", True))
     return format_size(row["peak_bytes"])
+
+
+def _smallest(backend: str, model: str, base: str) -> int:
+    """The smallest machine (GB) of the Llama-2 table that its PoSE LoRA checkpointed row fits."""
+    from benchmarks.bench_plan import MACHINES_GB, llama2_table
+
+    row = next(r for r in llama2_table(backend) if (r["model"], r["sampler"].split()[0], r["base"], r["training"],
+                                                    r["grad_checkpoint"]) == (model, "PoSE", base, "LoRA", True))
+    return min(gb for gb in MACHINES_GB if row["fits"][f"{gb}GB"])
 
 
 def _full_length_tb() -> str:
