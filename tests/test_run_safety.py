@@ -160,7 +160,8 @@ def test_resume_needs_only_the_output_folder(tiny_model, text_dir, tmp_path, cap
     log = read_log(out / "train_log.jsonl")
     assert [r["step"] for r in log] == list(range(1, saved + 4))
     summary = [line for line in err.splitlines() if line.startswith("trained ")]
-    assert len(summary) == 1 and f"trained {saved + 3} steps" in summary[0] and str(out) in summary[0]
+    assert len(summary) == 1 and f"trained 3 steps ({saved + 1}-{saved + 3})" in summary[0] and str(out) in summary[0]
+    assert f"{saved + 3} steps" in summary[0].split(";")[1]  # and the run's total
     assert "final loss" in summary[0] and "peak memory" in summary[0] and "last eval loss none" in summary[0]
     code, err = _run(capsys, "--resume", "--output", out, "--steps", "1")
     assert code == 2 and "already complete" in _one_error(err)

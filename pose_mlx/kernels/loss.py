@@ -6,8 +6,8 @@
 (`gradient=True`), each chunk's logit gradient dz = w * (softmax(z) - onehot(y)) is formed while the chunk's
 logits are at hand, in the same pass, and turned at once into dh = dz W (and dW = dz^T h when W is trained): the
 loss is a scalar, so the backward only scales them by its cotangent and no logits are recomputed. Memory: one
-chunk of logits (`sizes.CHUNK_BYTES`) instead of rows x vocab floats; at 8k rows and SmolLM2's 49,152 pieces that is
-64 MB instead of 1.6 GB.
+chunk of logits (`sizes.CHUNK_BYTES`, 16 MB) instead of rows x vocab floats (1.6 GB at 8k rows and SmolLM2's
+49,152 pieces), plus what MLX queues ahead.
 """
 
 from __future__ import annotations
