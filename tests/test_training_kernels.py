@@ -130,3 +130,27 @@ def test_the_loss_never_holds_the_whole_logits(monkeypatch):
     chunked = peak(lambda a: loss.chunked_cross_entropy(a, w, t, weights, gradient=True))
     assert whole >= logits_bytes
     assert chunked < logits_bytes / 4
+
+
+def test_the_blocked_path_holds_blocks_of_scores_and_chunks_of_logits():
+    """Through pose_mlx.kernels (the CPU's default) the attention keeps no L x L matrix and the loss no whole logits:
+    at the peak, at most `backward[0]` arrays of one block's scores (three per block of queries) and `head[0]` chunks
+    of logits (each of them queued ahead by MLX), whatever the row's length; MLX's own path grows with L^2."""
+    from pose_mlx import memory
+
+    smol = dict(model_type="llama", hidden_size=576, num_hidden_layers=30, intermediate_size=1536,
+                num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True,
+                torch_dtype="float32")
+    counts = memory.BLOCKED_COUNTS[(True, True, True)]
+    for rows in (8192, 32768):
+        settings = memory.TrainSettings(window=1024, target=rows, sampler="full", grad_checkpoint=True)
+        est = memory.training_memory(smol, settings)
+        assert est.details["attention"] == "blocked"
+        block = sizes.block_rows(1, 9, rows - 1, rows - 1)
+        assert est.breakdown["attention_scores"] <= counts.backward[0] * 4 * 9 * block * (rows - 1)
+        assert 4 * 9 * block * (rows - 1) <= max(sizes.BLOCK_BYTES, 4 * 9 * sizes.MIN_BLOCK * (rows - 1))
+        assert est.breakdown["logits"] <= counts.backward_logits * sizes.CHUNK_BYTES
+        unfused = memory.training_memory(smol, memory.TrainSettings(
+            window=1024, target=rows, sampler="full", grad_checkpoint=True, kernels="mlx"))
+        assert unfused.breakdown["attention_scores"] >= 4 * 9 * (rows - 1) ** 2  # at least one whole matrix
+    assert est.peak < 24 * 2**30  # a full-length 32k update of SmolLM2-135M is planned on a 24 GB machine
