@@ -154,3 +154,31 @@ def test_the_blocked_path_holds_blocks_of_scores_and_chunks_of_logits():
             window=1024, target=rows, sampler="full", grad_checkpoint=True, kernels="mlx"))
         assert unfused.breakdown["attention_scores"] >= 4 * 9 * (rows - 1) ** 2  # at least one whole matrix
     assert est.peak < 24 * 2**30  # a full-length 32k update of SmolLM2-135M is planned on a 24 GB machine
+
+
+@cpu_only("CUDA keeps MLX's fused attention: nothing is routed there")
+def test_probe_evaluation_and_collapse_check_run_through_the_training_route(monkeypatch):
+    """finetune's loss probe, its evaluations and its collapse check ran the model through MLX's own attention, so
+    a 16k full-length run spent most of an hour on L x L scores before its first update (and held 10 GB): they
+    take the training's route, with the same loss as MLX's path."""
+    from types import SimpleNamespace
+
+    from pose_mlx.kernels import attention
+    from pose_mlx.training.loop import check_not_collapsed, evaluate, probe_loss
+
+    calls = []
+    original = attention.attention
+    monkeypatch.setattr(attention, "attention", lambda *a, **k: calls.append(1) or original(*a, **k))
+    model = build_model("llama", seed=1)
+    extend(model, "yarn", 64, 256)
+    inputs, targets, mask, positions = _batch(0)
+    batch = SimpleNamespace(inputs=np.array(inputs), targets=np.array(targets), mask=np.array(mask),
+                            positions=np.array(positions))
+    mine = probe_loss(model, batch, use_positions, "auto")
+    assert calls
+    calls.clear()
+    assert probe_loss(model, batch, use_positions, "mlx") == pytest.approx(mine, rel=1e-5) and not calls
+    assert evaluate(model, [batch, batch], use_positions, "auto") == pytest.approx(mine, rel=1e-5) and calls
+    calls.clear()
+    check_not_collapsed(model, batch, use_positions, before=mine, step=1, kernels="auto")
+    assert calls

@@ -152,13 +152,15 @@ def masked_loss(model: nn.Module, inputs: mx.array, targets: mx.array, mask: mx.
     return total / mx.maximum(mask.sum(), 1.0)
 
 
-def evaluate(model: nn.Module, batches: Iterable, at_positions: Callable) -> float:
-    """Token-weighted mean masked loss over `batches` (each evaluated at its own position ids)."""
+def evaluate(model: nn.Module, batches: Iterable, at_positions: Callable, kernels: str = "auto") -> float:
+    """Token-weighted mean masked loss over `batches` (each evaluated at its own position ids), through the
+    training's route (`kernels`: a training-length row keeps no L x L scores here either)."""
     total, count = 0.0, 0.0
     for batch in batches:
         mask = mx.array(batch.mask)
-        with at_positions(model, *position_inputs(batch)):
-            loss = masked_loss(model, mx.array(batch.inputs), mx.array(batch.targets), mask, gradient=False)
+        with at_positions(model, *position_inputs(batch)), route.training_route(model, kernels):
+            loss = masked_loss(model, mx.array(batch.inputs), mx.array(batch.targets), mask, kernels=kernels,
+                               gradient=False)
         n = float(mask.sum().item())
         total += float(loss.item()) * n
         count += n
@@ -279,7 +281,8 @@ def train(model: nn.Module, stream, config: TrainConfig, run_dir, at_positions: 
                 if world.is_main:
                     if eval_batches is not None and config.eval_every and (step % config.eval_every == 0
                                                                             or step == config.steps):
-                        eval_loss = last["eval_loss"] = evaluate(model, eval_batches(), at_positions)
+                        eval_loss = last["eval_loss"] = evaluate(model, eval_batches(), at_positions,
+                                                                 config.kernels)
                     append_log(log, last)
                 bar.update(last, eval_loss)
                 # one rank: the signal is seen at once; several: it travels with the next update's all-reduce
@@ -473,12 +476,9 @@ def _enable_grad_checkpoint(model) -> Callable:
     return restore
 
 
-def probe_loss(model: nn.Module, batch, at_positions: Callable) -> float:
-    """The model's mean loss on `batch` (at its position ids)."""
-    with at_positions(model, *position_inputs(batch)):
-        loss = masked_loss(model, mx.array(batch.inputs), mx.array(batch.targets), mx.array(batch.mask),
-                           gradient=False)
-    return float(loss.item())
+def probe_loss(model: nn.Module, batch, at_positions: Callable, kernels: str = "auto") -> float:
+    """The model's mean loss on `batch` (at its position ids), through the training's route (`evaluate`)."""
+    return evaluate(model, [batch], at_positions, kernels)
 
 
 #: How far (a fraction of the uniform guess's loss ln V) a loss may end above where it started, for a model that
@@ -503,13 +503,14 @@ def collapse_ceiling(before: float, vocab: int) -> float:
     return max(before, uniform) + margin
 
 
-def check_not_collapsed(model: nn.Module, batch, at_positions: Callable, before: float, step: int) -> None:
+def check_not_collapsed(model: nn.Module, batch, at_positions: Callable, before: float, step: int,
+                        kernels: str = "auto") -> None:
     """Collapsed when training left the model's loss on `batch` (text it should predict) non-finite or at least
     `collapse_ceiling(before, vocabulary)` (decided from the model's own loss `before` training, so a tiny random
     model that starts at the uniform guess and moves by noise is not flagged, while a pre-trained one that falls
     back to the guess is); or when its logits no longer depend on the input (every position of every row gives the
-    same distribution, to 1e-4 of the logits' scale)."""
-    with at_positions(model, *position_inputs(batch)):
+    same distribution, to 1e-4 of the logits' scale). The model runs through the training's route (`evaluate`)."""
+    with at_positions(model, *position_inputs(batch)), route.training_route(model, kernels):
         logits = model(mx.array(batch.inputs)).astype(mx.float32)
     mask = mx.array(batch.mask)
     ce = nn.losses.cross_entropy(logits, mx.array(batch.targets)) * mask

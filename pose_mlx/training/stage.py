@@ -42,12 +42,12 @@ def fine_tune(model: nn.Module, tokenizer, plan, at_positions) -> dict:
                          loss_scale=loss_scale, save_every=s.save_every, eval_every=s.eval_every, progress=s.progress,
                          resume_command=plan.resume_command)
     t0, start = time.perf_counter(), trained_steps(plan.partial) if plan.resume else 0
-    before = probe_loss(model, data.probe, at_positions)
+    before = probe_loss(model, data.probe, at_positions, s.kernels)
     last = train(model, data.stream, config, plan.partial, at_positions, data.eval_batches, resume=plan.resume,
                  world=world)
     log = read_log(plan.partial / "log.jsonl") if world.is_main else [last]
     if world.is_main:
-        check_not_collapsed(model, data.probe, at_positions, before, step=last["step"])
+        check_not_collapsed(model, data.probe, at_positions, before, step=last["step"], kernels=s.kernels)
     evals = [r["eval_loss"] for r in log if r.get("eval_loss") is not None]
     return {"steps": last["step"], "final_loss": last["loss"], "tokens": int(sum(r["tokens"] for r in log)),
             "steps_run": last["step"] - start, "tokens_run": int(sum(r["tokens"] for r in log if r["step"] > start)),
