@@ -22,7 +22,8 @@ mlx-lm's final save), median over every timed update of the configuration; token
 (PaLM's convention, as bench_mfu) = (6 P T + 12 layers hidden S T) / seconds / peak, T the row's inputs, S its
 length, P the parameters (tied embeddings once), peak the fp32 matmul rate this process measures before and after
 each configuration (their mean). Peak memory: pose_mlx's log (largest over the updates); mlx-lm's
-`mx.get_peak_memory()` at the end of its run. Losses: each tool's per-update training loss.
+`mx.get_peak_memory()` at the end of its run; beside pose_mlx's, the peak `pose_mlx.plan` predicts for its command
+line (today's planner, at report time). Losses: each tool's per-update training loss.
 
 Each finished (configuration, round, tool) is appended to `results/cpu_train.jsonl` as it completes: a stopped run
 (`--budget`, Ctrl-C, a kill) continues where it stopped; `--report-only` rebuilds the record and the plot from it.
@@ -51,7 +52,7 @@ CONFIGS = {
     "pose-1k": ("pose", 1024, False, 6, 3),
     "pose-2k": ("pose", 2048, False, 5, 2),
     "full-8k": ("full", 8192, True, 4, 1),
-    "full-16k": ("full", 16384, True, 4, 1),
+    "full-16k": ("full", 16384, True, 3, 1),  # one timed update: about a quarter of an hour
 }
 RANK, SCALE, DOC_CHARS = 8, 20.0, 90_000
 MLX_LM_LOSS = re.compile(r"^\s*(\d+)\s+([\d.]+)\s*[\u25bc\u25b2]")
@@ -94,14 +95,19 @@ def mlx_lm_argv(config: str, model: Path, data: Path, work: Path) -> list[str]:
             *(["--grad-checkpoint"] if checkpoint else [])]
 
 
-def mlx_lm_fits(config: str, model: Path, data: Path, work: Path) -> dict:
-    """`pose_mlx.plan --kernels mlx` for the row (MLX's own attention and loss, as mlx-lm trains)."""
-    out = subprocess.run([sys.executable, "-m", "pose_mlx.plan", *pose_argv(config, model, data, work, "mlx"),
+def planned(config: str, model: Path, data: Path, work: Path, kernels: str) -> dict:
+    """`pose_mlx.plan --json` for the configuration's command line: its peak and whether it fits here."""
+    out = subprocess.run([sys.executable, "-m", "pose_mlx.plan", *pose_argv(config, model, data, work, kernels),
                           "--json"], capture_output=True, text=True, env=child_env())
     if out.returncode:
         raise SystemExit(f"pose_mlx.plan failed: {out.stderr.strip()}")
     plan = json.loads(out.stdout)
     return {"predicted_bytes": plan["peak_bytes"], "fits": plan["fits"]}
+
+
+def mlx_lm_fits(config: str, model: Path, data: Path, work: Path) -> dict:
+    """The plan with `--kernels mlx`: MLX's own attention and loss, as mlx-lm trains."""
+    return planned(config, model, data, work, "mlx")
 
 
 class _Args:
@@ -181,8 +187,10 @@ def summary(runs: list[dict], model: Path) -> dict:
         for tool in ("pose_mlx", "mlx_lm"):
             theirs = [r for r in mine if r["tool"] == tool]
             if not theirs:
-                entry[tool] = {"not_run": "mlx-lm's row does not fit in this machine's memory (pose_mlx.plan "
-                                          "--kernels mlx)"} if tool == "mlx_lm" else None
+                fits = all(r["mlx_lm_plan"]["fits"] for r in mine)
+                entry[tool] = {"not_run": "not measured: the benchmark stopped before it (--budget)" if fits else
+                               "does not fit: mlx-lm's row needs more than this machine's memory (pose_mlx.plan "
+                               "--kernels mlx)"} if tool == "mlx_lm" else None
                 continue
             seconds = statistics.median(s for r in theirs for s in r["seconds"])
             peak = statistics.mean(r["peak_gflops"] for r in theirs) * 1e9
@@ -191,6 +199,9 @@ def summary(runs: list[dict], model: Path) -> dict:
                            "losses": [r["losses"] for r in theirs], "runs": len(theirs)}
             cpu = [s for r in theirs for s in (r["cpu_seconds"] or [])]
             entry[tool]["cpu_seconds_per_update"] = statistics.median(cpu) if cpu else None
+        if entry["pose_mlx"]:
+            plan = planned(config, model, model, Path(tempfile.gettempdir()), "auto")["predicted_bytes"]
+            entry["pose_mlx"].update(planned_bytes=plan, plan_error=plan / entry["pose_mlx"]["peak_bytes"] - 1)
         if isinstance(entry.get("mlx_lm"), dict) and "seconds_per_update" in entry["mlx_lm"]:
             entry["speedup"] = entry["mlx_lm"]["seconds_per_update"] / entry["pose_mlx"]["seconds_per_update"]
         out[config] = entry
@@ -217,7 +228,7 @@ def plot(results: dict, path: Path) -> None:
         ax.set_xticks(range(len(configs)), configs)
     axes[0].set_yscale("log")
     axes[0].legend()
-    fig.suptitle("SmolLM2-135M LoRA fine-tuning on this CPU: pose_mlx vs mlx_lm lora (not run: does not fit)")
+    fig.suptitle("SmolLM2-135M LoRA fine-tuning on this CPU: pose_mlx vs mlx_lm lora (no bar: not run)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -225,18 +236,19 @@ def plot(results: dict, path: Path) -> None:
 def markdown(results: dict) -> str:
     """docs/cpu-training.md's table: each configuration, both tools."""
     lines = ["| configuration | pose_mlx s/update | mlx_lm lora s/update | speed-up | pose_mlx tokens/s | MFU pose_mlx / "
-             "mlx_lm | peak memory pose_mlx / mlx_lm |", "|---|---|---|---|---|---|---|"]
+             "mlx_lm | peak memory pose_mlx / mlx_lm | pose_mlx.plan's peak |", "|---|---|---|---|---|---|---|---|"]
     for config, entry in results.items():
         ours, theirs = entry["pose_mlx"], entry["mlx_lm"]
         ran = "seconds_per_update" in theirs
         lines.append("| " + " | ".join([
             config, f"{ours['seconds_per_update']:,.1f}",
-            f"{theirs['seconds_per_update']:,.1f}" if ran else "not run: does not fit",
+            f"{theirs['seconds_per_update']:,.1f}" if ran else theirs["not_run"].split(":")[0],
             f"**{entry['speedup']:.1f}x**" if ran else "",
             f"{ours['tokens_per_s']:,.0f}",
             f"{ours['mfu']:.0%} / {theirs['mfu']:.0%}" if ran else f"{ours['mfu']:.0%} / -",
             f"{ours['peak_bytes'] / 2**30:.2f} / {theirs['peak_bytes'] / 2**30:.2f} GiB" if ran
-            else f"{ours['peak_bytes'] / 2**30:.2f} GiB / -"]) + " |")
+            else f"{ours['peak_bytes'] / 2**30:.2f} GiB / -",
+            f"{ours['planned_bytes'] / 2**30:.2f} GiB ({ours['plan_error']:+.0%})"]) + " |")
     return "\n".join(lines) + "\n"
 
 
