@@ -187,10 +187,10 @@ def summary(runs: list[dict], model: Path) -> dict:
         for tool in ("pose_mlx", "mlx_lm"):
             theirs = [r for r in mine if r["tool"] == tool]
             if not theirs:
-                fits = all(r["mlx_lm_plan"]["fits"] for r in mine)
-                entry[tool] = {"not_run": "not measured: the benchmark stopped before it (--budget)" if fits else
-                               "does not fit: mlx-lm's row needs more than this machine's memory (pose_mlx.plan "
-                               "--kernels mlx)"} if tool == "mlx_lm" else None
+                why = ("not measured: the benchmark was stopped before it (a re-run continues)"
+                       if all(r["mlx_lm_plan"]["fits"] for r in mine) else
+                       "does not fit: mlx-lm's row needs more than this machine's memory (pose_mlx.plan --kernels mlx)")
+                entry[tool] = {"not_run": why} if tool == "mlx_lm" else None
                 continue
             seconds = statistics.median(s for r in theirs for s in r["seconds"])
             peak = statistics.mean(r["peak_gflops"] for r in theirs) * 1e9

@@ -3,6 +3,7 @@ template filled from the record, and the filled sentence must appear in the file
 count as one space). A result that changes, or prose edited away from its record, fails here."""
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -172,6 +173,22 @@ CLAIMS = [
      + [100 * _long_real(m, w)["error"] for m, w in (("pose", 1024), ("pose", 2048), ("full", 8192))]),
     ("docs/memory.md", "full-length update at 32k rows, which MLX's own path would need about {:.0f} GB for",
      lambda: [_long_rows()["real_model_unmeasured"][1]["predicted_bytes"] / 1e9]),
+    ("docs/cpu-training.md", "At 1k rows pose_mlx's update is {:.1f}x `mlx_lm lora`'s, at 2k {:.1f}x; the 1k update runs "
+     "at {:.0f}% MFU, so a 3x speed-up there would need {:.0f}% of the matmul peak",
+     lambda: [_ct("pose-1k")["speedup"], _ct("pose-2k")["speedup"], 100 * _ct("pose-1k", "pose_mlx")["mfu"],
+              300 * _ct("pose-1k", "pose_mlx")["mfu"] / _ct("pose-1k")["speedup"]]),
+    ("docs/cpu-training.md", "Full-length at 8k rows, an update takes {:.0f} s and peaks at {:.2f} GiB; the cost curve "
+     "measured {:.0f} s and {:.2f} GB on MLX's path",
+     lambda: [_ct("full-8k", "pose_mlx")["seconds_per_update"], _ct("full-8k", "pose_mlx")["peak_bytes"] / 2**30,
+              _cost("full", 8192, "seconds_per_update"), _cost("full", 8192, "peak_bytes") / 1e9]),
+    ("docs/cpu-training.md", "At 16k rows, which MLX's own path cannot fit in this machine's memory, an update takes "
+     "{:.0f} s and peaks at {:.1f} GiB. The planner's peak is beside each row: within {:.0f}% of every one.",
+     lambda: [_ct("full-16k", "pose_mlx")["seconds_per_update"], _ct("full-16k", "pose_mlx")["peak_bytes"] / 2**30,
+              math.ceil(100 * max(abs(e["pose_mlx"]["plan_error"]) for e in _record("cpu_train")["configs"].values()))]),
+    ("README.md", "A PoSE LoRA update of SmolLM2-135M at a 1k window took {:.1f} s there against `mlx_lm lora`'s {:.1f} s "
+     "({:.1f}x), and a full-length update at 16k rows peaked at {:.1f} GiB",
+     lambda: [_ct("pose-1k", "pose_mlx")["seconds_per_update"], _ct("pose-1k", "mlx_lm")["seconds_per_update"],
+              _ct("pose-1k")["speedup"], _ct("full-16k", "pose_mlx")["peak_bytes"] / 2**30]),
     ("docs/evidence.md", "real model's at a Kendall's tau of {:.2f} on perplexity and {:.2f} on passkey (goal 0.7)",
      lambda: [_agree4("ppl_tau"), _agree4("passkey_tau")]),
     ("docs/evidence.md", "(`evidence_full_length.joined_corpus`: {} pieces, {:.2f}M tokens)",
@@ -252,6 +269,12 @@ def _rank4(method: str) -> str:
     """The method's place in the map's 4x perplexity order among the methods the agreement compares."""
     scores = _agree4("sim", "ppl")
     return ("first", "second", "third", "fourth", "fifth")[sorted(scores, key=scores.get).index(method)]
+
+
+def _ct(config: str, tool: str | None = None) -> dict:
+    """bench_cpu_train's record of a configuration (or of one tool in it)."""
+    entry = _record("cpu_train")["configs"][config]
+    return entry[tool] if tool else entry
 
 
 def _cost(method: str, window: int, key: str) -> float:
@@ -350,6 +373,15 @@ def test_the_memory_doc_quotes_the_plan_benchmark_table():
 
     rows = json.loads((ROOT / "benchmarks" / "results" / "plan.json").read_text())["training"]
     assert markdown_training(rows) in (ROOT / "docs" / "memory.md").read_text()
+
+
+def test_the_cpu_training_tables_are_their_records():
+    """docs/cpu-training.md's tables are what bench_cpu_kernels and bench_cpu_train write from their records."""
+    from benchmarks import bench_cpu_kernels, bench_cpu_train
+
+    doc = (ROOT / "docs" / "cpu-training.md").read_text()
+    assert bench_cpu_kernels.markdown(_record("cpu_kernels")) in doc
+    assert bench_cpu_train.markdown(_record("cpu_train")["configs"]) in doc
 
 
 LINK = re.compile(r"\[[^\]]*\]\(([^)#\s]+)(#[^)\s]*)?\)")
