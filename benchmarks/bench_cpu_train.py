@@ -18,7 +18,8 @@ every block). The configurations:
 
 Rounds are interleaved (pose_mlx, mlx-lm, then mlx-lm first in the next round). An update's seconds are the wall
 time between consecutive updates' reports, for updates 2 .. steps-1 (the first holds compilation, the last
-mlx-lm's final save), median over every timed update of the configuration; tokens/s = row inputs / that; MFU
+mlx-lm's final save), median over every timed update of the configuration (pose_mlx's own log's seconds of
+those updates are kept beside them, `own_seconds`); tokens/s = row inputs / that; MFU
 (PaLM's convention, as bench_mfu) = (6 P T + 12 layers hidden S T) / seconds / peak, T the row's inputs, S its
 length, P the parameters (tied embeddings once), peak the fp32 matmul rate this process measures before and after
 each configuration (their mean). Peak memory: pose_mlx's log (largest over the updates); mlx-lm's
@@ -128,7 +129,7 @@ def one_run(tool: str, config: str, model: Path, data: Path, work: Path) -> dict
     if tool == "pose_mlx":
         log = [json.loads(line) for line in (work / "pose_out" / "train_log.jsonl").read_text().splitlines()]
         record.update(peak_bytes=max(r["peak_memory_gb"] for r in log) * 2**30, losses=[r["loss"] for r in log],
-                      tokens=log[-1]["tokens"])
+                      tokens=log[-1]["tokens"], own_seconds=[r["seconds"] for r in log if 1 < r["step"] < steps])
     else:
         peaks = [int(line[len(PEAK):]) for line in result["stdout"].splitlines() if line.startswith(PEAK)]
         losses = [float(m.group(2)) for m in map(MLX_LM_LOSS.match, result["stdout"].splitlines()) if m]
@@ -199,6 +200,9 @@ def summary(runs: list[dict], model: Path) -> dict:
                            "losses": [r["losses"] for r in theirs], "runs": len(theirs)}
             cpu = [s for r in theirs for s in (r["cpu_seconds"] or [])]
             entry[tool]["cpu_seconds_per_update"] = statistics.median(cpu) if cpu else None
+            own = [s for r in theirs for s in r.get("own_seconds", [])]
+            entry[tool]["own_seconds_per_update"] = statistics.median(own) if own else None
+            entry[tool]["notes"] = [r["note"] for r in theirs if r.get("note")]
         if entry["pose_mlx"]:
             plan = planned(config, model, model, Path(tempfile.gettempdir()), "auto")["predicted_bytes"]
             entry["pose_mlx"].update(planned_bytes=plan, plan_error=plan / entry["pose_mlx"]["peak_bytes"] - 1)
@@ -240,8 +244,10 @@ def markdown(results: dict) -> str:
     for config, entry in results.items():
         ours, theirs = entry["pose_mlx"], entry["mlx_lm"]
         ran = "seconds_per_update" in theirs
+        noted = ours.get("notes") and ours.get("own_seconds_per_update")
         lines.append("| " + " | ".join([
-            config, f"{ours['seconds_per_update']:,.1f}",
+            config, f"{ours['seconds_per_update']:,.1f}" + (f" ({ours['own_seconds_per_update']:,.1f} alone*)"
+                                                             if noted else ""),
             f"{theirs['seconds_per_update']:,.1f}" if ran else theirs["not_run"].split(":")[0],
             f"**{entry['speedup']:.1f}x**" if ran else "",
             f"{ours['tokens_per_s']:,.0f}",
@@ -249,7 +255,8 @@ def markdown(results: dict) -> str:
             f"{ours['peak_bytes'] / 2**30:.2f} / {theirs['peak_bytes'] / 2**30:.2f} GiB" if ran
             else f"{ours['peak_bytes'] / 2**30:.2f} GiB / -",
             f"{ours['planned_bytes'] / 2**30:.2f} GiB ({ours['plan_error']:+.0%})"]) + " |")
-    return "\n".join(lines) + "\n"
+    notes = [f"{config}: {note}" for config, entry in results.items() for note in entry["pose_mlx"].get("notes", [])]
+    return "\n".join(lines + [""] + [f"\\* {note}" for note in notes]) + "\n"
 
 
 def main(argv=None) -> None:

@@ -182,8 +182,9 @@ CLAIMS = [
      lambda: [_ct("full-8k", "pose_mlx")["seconds_per_update"], _ct("full-8k", "pose_mlx")["peak_bytes"] / 2**30,
               _cost("full", 8192, "seconds_per_update"), _cost("full", 8192, "peak_bytes") / 1e9]),
     ("docs/cpu-training.md", "At 16k rows, which MLX's own path cannot fit in this machine's memory, an update takes "
-     "{:.0f} s and peaks at {:.1f} GiB. The planner's peak is beside each row: within {:.0f}% of every one.",
-     lambda: [_ct("full-16k", "pose_mlx")["seconds_per_update"], _ct("full-16k", "pose_mlx")["peak_bytes"] / 2**30,
+     "{:.0f} s when it ran alone and peaks at {:.1f} GiB. The planner's peak is beside each row: within {:.0f}% of "
+     "every one.",
+     lambda: [_ct("full-16k", "pose_mlx")["own_seconds_per_update"], _ct("full-16k", "pose_mlx")["peak_bytes"] / 2**30,
               math.ceil(100 * max(abs(e["pose_mlx"]["plan_error"]) for e in _record("cpu_train")["configs"].values()))]),
     ("README.md", "A PoSE LoRA update of SmolLM2-135M at a 1k window took {:.1f} s there against `mlx_lm lora`'s {:.1f} s "
      "({:.1f}x), and a full-length update at 16k rows peaked at {:.1f} GiB",
