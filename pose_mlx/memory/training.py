@@ -42,7 +42,7 @@ says which numbers are measured and which modelled). Rows are those really train
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import UserError
 from ..kernels import sizes
@@ -134,22 +134,19 @@ COUNTS = {
 #: one block of queries' float32 scores, logits one chunk's. What a block keeps is `COUNTS`' (checked at scale); the
 #: head's and the backward's working sets and the logits alive in the backward are refitted to
 #: benchmarks/bench_plan_sweep.py's runs (small llamas, 1-12 blocks, windows 128-4096, every mode).
-BLOCKED_COUNTS = {
-    (True, False, False): Counts(head=(4, 11.5, 6), backward=(11, 12, 0), backward_logits=1.75),
-    (True, True, False): Counts(head=(6, 17.5, 10), backward=(6, 20, 8.5), update=41, backward_logits=0.5),
-    (True, False, True): Counts(kept=(3.5, 2.5), head=(4, 5.5, 6.5), backward=(5.5, 11.5, 8.5), kept_fraction=0.6,
-                                head_scores=1),
-    (True, True, True): Counts(kept=(2, 1), head=(4, 15, 13), backward=(8, 16.5, 8), update=41, kept_fraction=0,
-                                checkpointed=(1, 0, 0), backward16=(20, 4), head_scores=1, backward_logits=1.5),
-    (False, False, False): Counts(head=(5, 25.5, 10.5), backward=(6, 38, 5.5), update=13.5, gradients=(8, 5),
-                                backward_logits=0.25),
-    (False, True, False): Counts(head=(4, 44, 6), backward=(10, 43, 0), update=40, gradients=(5.5, 0),
-                                backward_logits=0.75),
-    (False, False, True): Counts(kept=(6.5, 2.5), head=(5.5, 44, 14.5), backward=(6, 36, 6.5), update=19,
-                                gradients=(3, 0), kept_fraction=0.7, backward_logits=0.25),
-    (False, True, True): Counts(kept=(4.5, 3), head=(6.5, 52.5, 0), backward=(8, 37.5, 3), update=40.5,
-                                gradients=(6.5, 0), kept_fraction=0, checkpointed=(4, 0, 0)),
+#: The refitted terms per mode; every other count is the mode's `COUNTS`.
+_BLOCKED_REFIT = {
+    (True, False, False): dict(head=(4, 11.5, 6), backward=(11, 12, 0), backward_logits=1.75),
+    (True, True, False): dict(head=(6, 17.5, 10), backward=(6, 20, 8.5), backward_logits=0.5),
+    (True, False, True): dict(backward=(5.5, 11.5, 8.5), backward_logits=0),
+    (True, True, True): dict(head=(4, 15, 13), backward=(8, 16.5, 8), backward_logits=1.5),
+    (False, False, False): dict(head=(5, 25.5, 10.5), backward=(6, 38, 5.5), gradients=(8, 5), backward_logits=0.25),
+    (False, True, False): dict(head=(4, 44, 6), backward=(10, 43, 0), gradients=(5.5, 0), backward_logits=0.75),
+    (False, False, True): dict(head=(5.5, 44, 14.5), backward=(6, 36, 6.5), update=19, gradients=(3, 0),
+                               backward_logits=0.25),
+    (False, True, True): dict(head=(6.5, 52.5, 0), backward=(8, 37.5, 3), gradients=(6.5, 0)),
 }
+BLOCKED_COUNTS = {mode: replace(COUNTS[mode], **terms) for mode, terms in _BLOCKED_REFIT.items()}
 
 
 @dataclass
