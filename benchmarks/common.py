@@ -400,21 +400,26 @@ def run_tool(cmd: list[str], tool: str, args, timeout: float | None = None, log:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     marks, texts, lock = {}, {"stdout": [], "stderr": []}, threading.Lock()
 
+    def mark(text: str, name: str, now: float) -> None:
+        found = (_POSE_BAR.search(text) if tool == "pose_mlx" and name == "stderr" else
+                 MLX_LM_LINE.match(text) if tool == "mlx_lm" and name == "stdout" else None)
+        if found and int(found.group(1)) not in marks:
+            clocks = _clocks(proc.pid)  # read only for a report's first sighting: a bar redraws many times
+            with lock:
+                marks.setdefault(int(found.group(1)), (now, *clocks))
+
     def read(stream, name):
         pending = b""
         for chunk in iter(lambda: os.read(stream.fileno(), 65536), b""):
-            now, clocks = time.perf_counter(), None  # the child's clocks are read only for a report (a progress
-            pending += chunk                          # bar redrawn many times a second would cost this process CPU)
+            now = time.perf_counter()
+            pending += chunk
             *pieces, pending = re.split(rb"[\r\n]", pending)
             for piece in pieces:
-                text = _ANSI.sub("", piece.decode("utf-8", "replace"))
-                texts[name].append(text)
-                found = (_POSE_BAR.search(text) if tool == "pose_mlx" and name == "stderr" else
-                         MLX_LM_LINE.match(text) if tool == "mlx_lm" and name == "stdout" else None)
-                if found and int(found.group(1)) not in marks:
-                    clocks = clocks or _clocks(proc.pid)
-                    with lock:
-                        marks.setdefault(int(found.group(1)), (now, *clocks))
+                texts[name].append(_ANSI.sub("", piece.decode("utf-8", "replace")))
+                mark(texts[name][-1], name, now)
+            # a progress bar's report is written as "\r" + text, its line ended only by the next redraw (an update
+            # later): it is marked when it arrives, not then
+            mark(_ANSI.sub("", pending.decode("utf-8", "replace")), name, now)
         texts[name].append(_ANSI.sub("", pending.decode("utf-8", "replace")))
 
     readers = [threading.Thread(target=read, args=(proc.stdout, "stdout")),

@@ -77,6 +77,20 @@ def test_periods_spread_a_skipped_report_over_its_updates():
         common.periods({2: (1.0, 1.0, 1)}, steps=5)
 
 
+def test_a_progress_bar_report_is_marked_when_it_arrives_not_at_the_next_redraw():
+    """A tqdm bar writes "\\r" + text: update 1's report is followed 0.1 s later by update 2's, which stays on
+    screen 1.5 s before update 3's. The span between the reports of updates 1 and 2 is 0.1 s; marking a report
+    only when the next redraw ends its line would make it update 3's 1.5 s."""
+    code = ("import json, sys, time\n"
+            f"print({common.PROBE!r} + json.dumps({{'gflops': 1.0, 'library': None}}), flush=True)\n"
+            "for n, pause in ((0, 0.0), (1, 0.1), (2, 1.5), (3, 0.0)):\n"
+            "    sys.stderr.write(f'\\r{n}/3 [00:00<00:00, loss=1.0]'); sys.stderr.flush(); time.sleep(pause)\n"
+            "sys.stderr.write('\\n')\n")
+    result = common.run_tool([sys.executable, "-c", code], "pose_mlx", SimpleNamespace(threads=0))
+    assert sorted(result["marks"]) == [0, 1, 2, 3]
+    assert common.periods(result["marks"], steps=3)["wall"][0] < 1.0
+
+
 def test_own_seconds_of_mlx_lm_come_from_its_report_lines():
     """mlx-lm's per-update lines (update, loss, trend, tokens/s, peak): seconds = batch (window - 1) / tokens/s for
     updates 2 .. steps-1 only."""
