@@ -244,12 +244,12 @@ def markdown(results: dict) -> str:
     for config, entry in results.items():
         ours, theirs = entry["pose_mlx"], entry["mlx_lm"]
         ran = "seconds_per_update" in theirs
-        noted = ours.get("notes") and ours.get("own_seconds_per_update")
+        own = ours.get("own_seconds_per_update") if ours.get("notes") else None
         lines.append("| " + " | ".join([
-            config, f"{ours['seconds_per_update']:,.1f}" + (f" ({ours['own_seconds_per_update']:,.1f} alone*)"
-                                                             if noted else ""),
+            config, f"{ours['seconds_per_update']:,.1f}" + (f" ({own:,.1f} alone)" if own else "")
+            + ("*" if ours.get("notes") else ""),
             f"{theirs['seconds_per_update']:,.1f}" if ran else theirs["not_run"].split(":")[0],
-            f"**{entry['speedup']:.1f}x**" if ran else "",
+            f"**{entry['speedup']:.2f}x**" if ran else "",
             f"{ours['tokens_per_s']:,.0f}",
             f"{ours['mfu']:.0%} / {theirs['mfu']:.0%}" if ran else f"{ours['mfu']:.0%} / -",
             f"{ours['peak_bytes'] / 2**30:.2f} / {theirs['peak_bytes'] / 2**30:.2f} GiB" if ran
