@@ -109,7 +109,7 @@ CLAIMS = [
     ("docs/usage.md", "{:.1f}x-{:.1f}x faster at 2k-8k tokens on a busy machine; alone on it, 8k tokens take {:.0f} s "
      "instead of {:.0f} s", lambda: [r["speedup_fast"] for r in _record("cpu_attention")["results"]]
      + [_record("cpu_attention_8k_idle")["results"][0][k]["seconds"] for k in ("fast", "mlx")]),
-    ("docs/demo.md", "The whole demo costs {:.0f} CPU-seconds on two cores ({:.0f} s of wall time beside other work, "
+    ("docs/demo.md", "The whole demo costs {:.0f} CPU-seconds on two cores ({:.0f} s of wall time, "
      "load average {:.1f} before it;",
      lambda: [_quickstart()["demo_fresh"][k] for k in ("cpu_s", "wall_s", "load_before")]),
     ("docs/demo.md", "it reuses its corpus and model and costs {:.0f} ({:.0f} s)",
