@@ -148,20 +148,24 @@ def plot(path: Path) -> Path | None:
 
     fig, axes = plt.subplots(1, 2, figsize=(10.5, 4))
     windows = sorted({r["window"] for r in records if r["method"] == "full"} | {8192, 16384, 32768})
-    for d, marker in zip(sorted({r["device"] for r in records}), "os^D"):
-        short = d.split(" on ")[0]
-        full = sorted((r for r in records if r["device"] == d and r["method"] == "full"), key=lambda r: r["window"])
+    paths = {"mlx": "MLX's attention and loss", "auto": "pose_mlx.kernels"}
+    groups = sorted({(r["device"], r.get("kernels", "mlx")) for r in records})
+    for i, ((d, kernels), marker) in enumerate(zip(groups, "os^D")):
+        name = re.sub(r"^Device[(]\w+, \d+[)] ", "", d.split(" on ")[0])
+        short = f"{name}, {paths.get(kernels, kernels)}"
+        mine = [r for r in records if (r["device"], r.get("kernels", "mlx")) == (d, kernels)]
+        full = sorted((r for r in mine if r["method"] == "full"), key=lambda r: r["window"])
         axes[0].plot([r["window"] for r in full], [r["predicted_bytes"] / 1e9 for r in full], color="tab:red",
                      marker=marker, fillstyle="none", linestyle=":", label=f"full-length, planner ({short})")
         done = [r for r in full if "peak_bytes" in r]
         for ax, key, scale in ((axes[0], "peak_bytes", 1e9), (axes[1], "seconds_per_update", 1)):
             ax.plot([r["window"] for r in done], [r[key] / scale for r in done], color="tab:red", marker=marker,
                     label=f"full-length, measured ({short})")
-            for r in (r for r in records if r["device"] == d and r["method"] == "pose" and "peak_bytes" in r):
+            for r in (r for r in mine if r["method"] == "pose" and "peak_bytes" in r):
                 ax.plot([windows[0], windows[-1]], [r[key] / scale] * 2, color="tab:blue", linestyle="--",
                         linewidth=1, marker=marker, markevery=[1])
-                ax.annotate(f"PoSE, {r['window'] // 1024}k window", (windows[0], r[key] / scale), fontsize=7,
-                            xytext=(2, 3), textcoords="offset points", color="tab:blue")
+                ax.annotate(f"PoSE, {r['window'] // 1024}k window", (windows[0] if i % 2 == 0 else windows[1],
+                            r[key] / scale), fontsize=7, xytext=(2, 3), textcoords="offset points", color="tab:blue")
     for ax, label in ((axes[0], "peak memory per update (GB)"), (axes[1], "seconds per update")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
