@@ -203,6 +203,13 @@ CLAIMS = [
      "every one.",
      lambda: [_ct("full-16k", "pose_mlx")["own_seconds_per_update"], _ct("full-16k", "pose_mlx")["peak_bytes"] / 2**30,
               math.ceil(100 * max(abs(e["pose_mlx"]["plan_error"]) for e in _record("cpu_train")["configs"].values()))]),
+    ("docs/simulator.md", "PoSE + YaRN took {:.2f} s per update instead of {:.2f} ({:.2f}x) and full-length {:.2f} s instead of "
+     "{:.2f} ({:.2f}x), so the map's {} updates take about {:.0f} and {:.0f} s instead of {:.0f} and {:.0f} (the map's "
+     "record has {:.0f} and {:.0f} s for these stages",
+     lambda: [_cell(c, k) for c in ("pose-yarn-8x", "full-yarn-8x") for k in ("auto", "mlx", "speedup")]
+     + [_cell("pose-yarn-8x", "map_updates")]
+     + [_cell(c, k, "projected_stage_seconds") for k in ("auto", "mlx") for c in ("pose-yarn-8x", "full-yarn-8x")]
+     + [_cell(c, "map_stage_seconds_recorded") for c in ("pose-yarn-8x", "full-yarn-8x")]),
     ("docs/evidence.md", "one full-length update at 16k rows takes {:.0f} s on two CPU cores",
      lambda: [_ct("full-16k", "pose_mlx")["own_seconds_per_update"]]),
     ("README.md", "A PoSE LoRA update of SmolLM2-135M at a 1k window took {:.1f} s there against `mlx_lm lora`'s {:.1f} s "
@@ -313,6 +320,12 @@ XEON = "cpu-intel-r-xeon-r-processor"
 def _err(method: str, window: int, device: str = "cpu-amd-epyc") -> float:
     """The planner's error on a measured peak, in percent (negative: it predicted less than was used)."""
     return 100 * (_cost(method, window, "predicted_bytes", device) / _cost(method, window, "peak_bytes", device) - 1)
+
+
+def _cell(cell: str, key: str, field: str = "seconds_per_step"):
+    """A simulator map cell's cost before and after the CPU kernels (benchmarks/results/sim_cell_cost.json)."""
+    entry = _record("sim_cell_cost")["cells"][cell][key]
+    return entry[field] if isinstance(entry, dict) else entry
 
 
 def _quickstart_record() -> dict:
