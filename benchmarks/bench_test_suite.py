@@ -1,11 +1,11 @@
 """What the test suite costs on this machine: `python -m benchmarks.bench_test_suite`.
 
-Runs `python -m pytest -q -p no:cacheprovider` in a child process from the repository root and records how many
-tests passed, failed and were skipped (pytest's last line), the wall time, the CPU time (user + system of the child
-and its own children: the data-parallel tests start ranks, `resource.getrusage`) and the 1-minute load average
-before and after: on a shared machine the CPU time is what the suite costs, the wall time what it took beside
-other work. Writes benchmarks/results/test_suite.json, which the README and docs/testing.md quote
-(tests/test_docs_records.py keeps them equal).
+Runs `python -m pytest -p no:cacheprovider` (quiet by the project's addopts) in a child process from the
+repository root and records how many tests passed, failed and were skipped (pytest's last line), the wall time, the
+CPU time (user + system of the child and its own children: the data-parallel tests start ranks,
+`resource.getrusage`) and the 1-minute load average before and after: on a shared machine the CPU time is what the
+suite costs, the wall time what it took beside other work. Writes benchmarks/results/test_suite.json, which the
+README and docs/testing.md quote (tests/test_docs_records.py keeps them equal).
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     load0, t0 = os.getloadavg()[0], time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=ROOT,
+    # pyproject's addopts already pass -q; a second -q would drop pytest's last line, the counts read here
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider"], cwd=ROOT,
                           env=child_env(), capture_output=True, text=True)
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
