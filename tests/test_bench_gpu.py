@@ -178,9 +178,12 @@ def test_sigterm_stops_the_running_child_and_writes_the_json(tmp_path):
     for line in proc.stdout:  # a training child is running once the first run is announced
         if "pose_mlx eager, checkpointing" in line:
             break
-    time.sleep(3)
-    children = [p for p in gpu_checks.process_tree(proc.pid) if p != proc.pid]
+    children, deadline = [], time.monotonic() + 60  # the child starts within seconds; longer on a loaded machine
+    while not children and time.monotonic() < deadline:
+        time.sleep(0.5)
+        children = [p for p in gpu_checks.process_tree(proc.pid) if p != proc.pid]
     assert children
+    time.sleep(1)  # into its work
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, stderr
