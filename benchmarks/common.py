@@ -295,11 +295,13 @@ PEAK = "PEAK_BYTES "  # mlx-lm's MLX peak memory, printed by `DRIVER` when its r
 
 #: The child: the BLAS probe (an fp32 1024^2 matmul), then one tool's own command-line entry point.
 DRIVER = r"""
-import json, sys
+import json, os, sys
 import pose_mlx
 from pose_mlx.backend import status
 from benchmarks.common import PEAK, PROBE, matmul_gflops
-print(PROBE + json.dumps({"library": status.get("library"), "gflops": matmul_gflops(1024, 5)}), flush=True)
+library = status.get("library")  # its file name: a record names no folder of the machine it ran on
+print(PROBE + json.dumps({"library": library and os.path.basename(library), "gflops": matmul_gflops(1024, 5)}),
+      flush=True)
 tool, argv = sys.argv[1], sys.argv[2:]
 if tool == "pose_mlx":
     from pose_mlx.finetune import main
