@@ -280,8 +280,8 @@ def main(argv=None) -> None:
     from pose_mlx.kernels import build
 
     build.load()
-    print(write_results("cpu_train", {"configs": results, "kernels": dict(build.status), "rank": RANK,
-                                      "scale": SCALE}))
+    kernels = {k: v for k, v in build.status.items() if k != "path"}  # a record names no folder of this machine
+    print(write_results("cpu_train", {"configs": results, "kernels": kernels, "rank": RANK, "scale": SCALE}))
     plot(results, RESULTS_DIR / "cpu_train.png")
     write_between(ROOT / "docs" / "cpu-training.md", "cpu-train", markdown(results))
 
