@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -29,6 +30,11 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=20, help="updates per run (the first is not timed)")
     parser.add_argument("--out", default="out/sim-cell-cost", help="the simulator's working folder")
     args = parser.parse_args(argv)
+    wanted = [c.strip() for c in args.cells.split(",")]
+    malformed = [c for c in wanted if not re.fullmatch(r"[a-z-]+-\d+x", c)]
+    if malformed or args.steps < 2:
+        parser.error(f"--cells: {', '.join(malformed)} is not METHOD-Fx (e.g. pose-yarn-8x)" if malformed else
+                     "--steps: at least 2 (the first update is not timed)")
 
     import pose_mlx  # noqa: F401  (the fast BLAS before mlx.core)
     from pose_mlx.sim import map as sim_map
@@ -37,7 +43,6 @@ def main(argv=None) -> None:
     from pose_mlx.sim.workspace import finetune_folder, start
     from pose_mlx.training.data import required_length
 
-    wanted = [c.strip() for c in args.cells.split(",")]
     factors = sorted({int(c.rsplit("-", 1)[1].rstrip("x")) for c in wanted})
     config = sim_map.parse_config(["--out", args.out, "--factors", ",".join(map(str, factors)), "--seeds", "0",
                                    "--check-against", "none"])
@@ -66,6 +71,9 @@ def main(argv=None) -> None:
                 print(cell.name, kernels, json.dumps(entry[kernels]), flush=True)
             entry["speedup"] = entry["mlx"]["seconds_per_step"] / entry["auto"]["seconds_per_step"]
             results[cell.name] = entry
+    missing = sorted(set(wanted) - set(results))
+    if missing:
+        parser.error(f"--cells: no such cell in the map: {', '.join(missing)}")
     print(write_results("sim_cell_cost", {"cells": results, "steps": args.steps}))
 
 
