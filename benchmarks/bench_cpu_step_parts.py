@@ -6,9 +6,9 @@ SmolLM2-135M (bench_cpu_train's float32 folder), one row of `--length` tokens, r
 every block, as `benchmarks.bench_cpu_train`'s pose-1k row trains. Each case evaluates its own work; the cases
 run A, B, C, A, B, C, ... after one warm-up each (which compiles), and each keeps the median of `--reps`:
 
-  update             the LoRA update as `pose_mlx.finetune` computes it: `mx.compile`d value_and_grad of
-                     `masked_loss` under `kernels.route.training_route`, then AdamW (positions 0 .. L-1; PoSE's
-                     positions change only the rotary angles)
+  update             the LoRA update as `pose_mlx.finetune` computes it: the training loop's `make_update`
+                     (`mx.compile`d value_and_grad of `masked_loss` under `kernels.route.training_route`,
+                     clipping, AdamW) at positions 0 .. L-1 (PoSE's positions change only the rotary angles)
   update, no LoRA    the same model without adapters, its first block's input norm trained: the backward still
                      crosses every block, and the difference to `update` is what the adapters cost
   update, MLX's path the LoRA update with `--kernels mlx` (MLX's attention, loss and SiLU: what mlx-lm computes)
@@ -27,17 +27,18 @@ run at this BLAS's speed. Writes benchmarks/results/cpu_step_parts.json and a ta
 from __future__ import annotations
 
 import argparse
+from types import SimpleNamespace
 
-import pose_mlx  # noqa: F401  (the fast BLAS before mlx.core)
+import numpy as np
+
+from pose_mlx import extend, use_positions  # (the fast BLAS before mlx.core)
 import mlx.core as mx
-import mlx.nn as nn
-import mlx.optimizers as optim
 
 from pose_mlx.backend import status as blas_status
 from pose_mlx.kernels import attention as blocked
 from pose_mlx.kernels import build, loss, route
 from pose_mlx.training.lora import LoraSpec, add_lora
-from pose_mlx.training.loop import masked_loss
+from pose_mlx.training.loop import TrainConfig, make_optimizer, make_update
 
 from benchmarks.bench_cpu_kernels import interleaved
 from benchmarks.bench_cpu_train import RANK, SCALE, WORK, inputs
@@ -47,9 +48,11 @@ MLX_PATH = "update, MLX's path"
 
 
 def load_model(folder, lora: bool):
+    """SmolLM2-135M extended as the pose-1k row extends it (8k -> 32k, YaRN), with adapters or with one norm trained."""
     from mlx_lm import load
 
     model, _ = load(str(folder))
+    extend(model, "yarn", 8192, 32768)
     if lora:
         add_lora(model, LoraSpec(RANK, SCALE, -1), seed=0)
     else:
@@ -59,21 +62,14 @@ def load_model(folder, lora: bool):
 
 
 def update_case(model, row: tuple, kernels: str):
-    """One AdamW update of `model` on `row` (inputs, targets, mask), compiled as the training loop compiles it."""
-    optimizer = optim.AdamW(learning_rate=1e-5)
-    value_and_grad = nn.value_and_grad(model, lambda m, x, y, w: masked_loss(m, x, y, w, kernels))
-
-    def gradients(x, y, w):
-        with route.training_route(model, kernels):
-            return value_and_grad(model, x, y, w)
-
-    gradients = mx.compile(gradients, inputs=model.state, outputs=model.state)
-
-    def run():
-        value, grads = gradients(*row)
-        optimizer.update(model, grads)
-        mx.eval(value, model.parameters(), optimizer.state)
-    return run
+    """One update of `model` on `row` (inputs, targets, mask) as `pose_mlx.finetune` makes it: the training loop's
+    own `make_update` (compiled, AdamW, clipped), at positions 0 .. L-1."""
+    config = TrainConfig(steps=1_000_000, lr=1e-5, warmup=0, kernels=kernels, progress=False)
+    update = make_update(model, make_optimizer(config), config, use_positions)
+    inputs, targets, mask = (np.array(a) for a in row)
+    batch = SimpleNamespace(inputs=inputs, targets=targets, mask=mask,
+                            positions=np.broadcast_to(np.arange(inputs.shape[1], dtype=np.int32), inputs.shape))
+    return lambda: update(iter([batch]))
 
 
 def head_dim(args) -> int:

@@ -5,6 +5,7 @@ import mlx.nn as nn
 import pytest
 
 from benchmarks import bench_cpu_step_parts as parts
+from pose_mlx import extend
 from pose_mlx.training.lora import LoraSpec, add_lora
 
 
@@ -17,6 +18,7 @@ def test_the_products_have_the_shapes_of_each_blocks_projections(tiny_llama):
 
 @pytest.mark.parametrize("kernels", ["auto", "mlx"])
 def test_the_timed_update_trains_the_adapters_and_only_them(tiny_llama, kernels):
+    extend(tiny_llama, "yarn", 64, 256)
     add_lora(tiny_llama, LoraSpec(4, 20.0, -1), seed=0)
     frozen = tiny_llama.layers[0].self_attn.q_proj.linear.weight
     before = {k: mx.array(v) for k, v in nn.utils.tree_flatten(tiny_llama.trainable_parameters())}

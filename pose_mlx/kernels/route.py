@@ -9,7 +9,8 @@ function). A family that computes attention or its MLP itself is left as it is.
 
 `training_route(model)` is what training runs under: on a backend without a fused attention backward (the CPU;
 Metal, which trains unfused) attention goes through `pose_mlx.kernels.attention` (blocks of queries, no L x L
-scores kept); where the vectorized CPU kernels are built, SwiGLU goes through them. CUDA keeps cuDNN's attention.
+scores kept); where the vectorized CPU kernels are built, SwiGLU goes through them; on the CPU, mlx-lm's LoRA layers
+compute through `kernels.lora` (the adapter's product accumulated into the base's). CUDA keeps cuDNN's attention.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import attention as blocked
-from . import rows
+from . import lora, rows
 
 # mlx-lm is imported where it is used: its package loads transformers (about a second on a 2-core CPU).
 
@@ -92,6 +93,23 @@ def blocked_attention(queries, keys, values, cache=None, scale: float = 1.0, mas
 
 
 @contextlib.contextmanager
+def fused_lora(model: nn.Module) -> Iterator[list]:
+    """Bind mlx-lm's `LoRALinear.__call__` to `kernels.lora.fused_call` for the block, if `model` has such layers
+    (process-wide for that class while the block runs, as `swapped`); yields the rebound name."""
+    from mlx_lm.tuner.lora import LoRALinear
+
+    if not any(isinstance(layer, LoRALinear) for _, layer in model.named_modules()):
+        yield []
+        return
+    original = LoRALinear.__call__
+    LoRALinear.__call__ = lora.fused_call(original)
+    try:
+        yield [f"{LoRALinear.__module__}.LoRALinear.__call__"]
+    finally:
+        LoRALinear.__call__ = original
+
+
+@contextlib.contextmanager
 def training_route(model: nn.Module, kernels: str = "auto") -> Iterator[list]:
     """Route `model` for training on this backend (module docstring), or not at all with `kernels` "mlx"; yields
     the swapped names."""
@@ -104,8 +122,10 @@ def training_route(model: nn.Module, kernels: str = "auto") -> Iterator[list]:
                                                   blocked_attention))
         if kernels == "auto" and rows.native(mx.zeros(1)) is not None:
             routed += stack.enter_context(swapped(model, SWIGLU, activations.swiglu, rows.swiglu))
+        if kernels == "auto" and mx.default_device().type == mx.DeviceType.cpu:
+            routed += stack.enter_context(fused_lora(model))
         yield routed
 
 
-__all__ = ["ATTENTION", "SWIGLU", "blocked_attention", "in_order", "lacks_fused_backward", "modules_calling",
-           "swapped", "training_route"]
+__all__ = ["ATTENTION", "SWIGLU", "blocked_attention", "fused_lora", "in_order", "lacks_fused_backward",
+           "modules_calling", "swapped", "training_route"]
