@@ -211,7 +211,7 @@ CLAIMS = [
      "the products do not rule 3x out. But 3x needs the update at {:.2f} s, the work beside the products cut from "
      "{:.2f} s to {:.2f} s ({:.0f}% less).",
      lambda: _step_parts_claim()),
-    ("docs/cpu-training.md", "the table's 1k row, measured on another day, gave {:.2f}x against `mlx_lm lora`",
+    ("docs/cpu-training.md", "the table's 1k row, measured in the run after this one, gave {:.2f}x against `mlx_lm lora`",
      lambda: [_ct("pose-1k")["speedup"]]),
     ("docs/cpu-training.md", "At 16k rows, which MLX's own path cannot fit in this machine's memory, an update takes "
      "{:.0f} s when it ran alone and peaks at {:.1f} GiB. The planner's peak is beside each row: within {:.0f}% of "
