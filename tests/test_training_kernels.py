@@ -72,7 +72,7 @@ def test_every_family_has_mlx_s_gradients(family, lora):
 
 
 @pytest.mark.parametrize("compile_, checkpoint, lora", [(True, False, False), (False, True, False),
-                                                       (True, True, False), (True, False, True)])
+                                                       (True, True, False), (True, False, True), (True, True, True)])
 def test_twenty_updates_lose_what_mlx_s_path_loses(compile_, checkpoint, lora):
     def run(kernels):
         model = build_model("llama", seed=2, num_hidden_layers=3, tie_word_embeddings=True)
