@@ -30,6 +30,8 @@ line (today's planner, at report time). Losses: each tool's per-update training 
 
 Each finished (configuration, round, tool) is appended to `results/cpu_train.jsonl` as it completes: a stopped run
 (`--budget`, Ctrl-C, a kill) continues where it stopped; `--report-only` rebuilds the record and the plot from it.
+Every run of a configuration in the file is pooled: a second run's rounds, appended with later round numbers and
+a `rerun` note, count as much as the first's.
 Writes results/cpu_train.json and results/cpu_train.png.
 """
 
