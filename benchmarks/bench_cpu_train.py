@@ -30,8 +30,8 @@ line (today's planner, at report time). Losses: each tool's per-update training 
 
 Each finished (configuration, round, tool) is appended to `results/cpu_train.jsonl` as it completes: a stopped run
 (`--budget`, Ctrl-C, a kill) continues where it stopped; `--report-only` rebuilds the record and the plot from it.
-Every run of a configuration in the file is pooled: a second run's rounds, appended with later round numbers and
-a `rerun` note, count as much as the first's.
+Runs added after their configuration's results were seen carry a `stage` label (and later round numbers): they are
+summarized apart, under `stages` in the record, and never pooled with the registered rounds.
 Writes results/cpu_train.json and results/cpu_train.png.
 """
 
@@ -60,6 +60,9 @@ CONFIGS = {
     "full-16k": ("full", 16384, True, 3, 1),  # one timed update: about a quarter of an hour
 }
 RANK, SCALE, DOC_CHARS = 8, 20.0, 90_000
+#: stage label -> what it is: runs added after the registered rounds' results were seen
+STAGES = {"later-1k": "pose-1k run again 40 minutes after the registered rounds, on the same code, once the machine "
+                      "had become faster; not pooled with them"}
 MLX_LM_LOSS = re.compile(r"^\s*(\d+)\s+([\d.]+)\s*[\u25bc\u25b2]")
 
 
@@ -144,6 +147,15 @@ def one_run(tool: str, config: str, model: Path, data: Path, work: Path) -> dict
 
 def done_runs() -> list[dict]:
     return [json.loads(line) for line in RAW.read_text().splitlines() if line.strip()] if RAW.exists() else []
+
+
+def by_stage(runs: list[dict]) -> tuple[list[dict], dict[str, list[dict]]]:
+    """(the registered runs, {stage label: its runs}): a run with a `stage` is never pooled with the registered ones."""
+    later: dict[str, list[dict]] = {}
+    for run in runs:
+        if "stage" in run:
+            later.setdefault(run["stage"], []).append(run)
+    return [r for r in runs if "stage" not in r], dict(sorted(later.items()))
 
 
 def measure(configs: list[str], work: Path) -> None:
@@ -281,12 +293,15 @@ def main(argv=None) -> None:
         except (OutOfTime, TimeoutError) as stopped:
             print(f"stopped: {stopped}; run again to continue", file=sys.stderr)
     model, _ = inputs(args.work)
-    results = summary(done_runs(), model)
+    registered, later = by_stage(done_runs())
+    results = summary(registered, model)
+    stages = {label: {"about": STAGES.get(label, ""), "configs": summary(runs, model)} for label, runs in later.items()}
     from pose_mlx.kernels import build
 
     build.load()
     kernels = {k: v for k, v in build.status.items() if k != "path"}  # a record names no folder of this machine
-    print(write_results("cpu_train", {"configs": results, "kernels": kernels, "rank": RANK, "scale": SCALE}))
+    print(write_results("cpu_train", {"configs": results, "stages": stages, "kernels": kernels, "rank": RANK,
+                                      "scale": SCALE}))
     plot(results, RESULTS_DIR / "cpu_train.png")
     write_between(ROOT / "docs" / "cpu-training.md", "cpu-train", markdown(results))
 
