@@ -43,16 +43,24 @@ def modules_calling(model: nn.Module, name: str, original) -> list:
 
 
 @contextlib.contextmanager
+def rebound(owners: list, name: str, original, replacement) -> Iterator[None]:
+    """Set attribute `name` of each of `owners` (modules or classes) to `replacement` for the block, then back to
+    `original`, however the block ends."""
+    for owner in owners:
+        setattr(owner, name, replacement)
+    try:
+        yield
+    finally:
+        for owner in owners:
+            setattr(owner, name, original)
+
+
+@contextlib.contextmanager
 def swapped(model: nn.Module, name: str, original, replacement) -> Iterator[list]:
     """Bind `name` to `replacement` in `modules_calling(model, name, original)` for the block; yields their names."""
     modules = modules_calling(model, name, original)
-    for module in modules:
-        setattr(module, name, replacement)
-    try:
+    with rebound(modules, name, original, replacement):
         yield [module.__name__ for module in modules]
-    finally:
-        for module in modules:
-            setattr(module, name, original)
 
 
 def lacks_fused_backward() -> bool:
@@ -98,15 +106,10 @@ def fused_lora(model: nn.Module) -> Iterator[list]:
     (process-wide for that class while the block runs, as `swapped`); yields the rebound name."""
     from mlx_lm.tuner.lora import LoRALinear
 
-    if not any(isinstance(layer, LoRALinear) for _, layer in model.named_modules()):
-        yield []
-        return
+    owners = [LoRALinear] if any(isinstance(layer, LoRALinear) for _, layer in model.named_modules()) else []
     original = LoRALinear.__call__
-    LoRALinear.__call__ = lora.fused_call(original)
-    try:
-        yield [f"{LoRALinear.__module__}.LoRALinear.__call__"]
-    finally:
-        LoRALinear.__call__ = original
+    with rebound(owners, "__call__", original, lora.fused_call(original)):
+        yield [f"{LoRALinear.__module__}.LoRALinear.__call__" for _ in owners]
 
 
 @contextlib.contextmanager
