@@ -10,8 +10,12 @@ Why `pose_mlx.kernels` is what it is (docs/cpu-training.md): one process, the ca
   attention    forward + backward of one SmolLM2-135M attention layer (9 query heads, 3 KV heads, head dim 64),
                causal, at `--lengths` tokens: MLX's `scaled_dot_product_attention` (unfused on the CPU: L x L
                scores kept), `pose_mlx.eval.cpu_attention` (NumPy tiles behind `mx.custom_function`, evaluated
-               inside the gradient trace), and `pose_mlx.kernels.attention` with the C++ row kernels and with MLX
-               ops; seconds and peak bytes (evaluated in order, as training does)
+               inside the gradient trace), `pose_mlx.kernels.attention` (the fused C++ primitive on the CPU) and
+               its blocks of MLX operations (`attention.blocks`, what Metal runs) with the C++ row kernels and
+               with MLX ops; seconds and peak bytes (evaluated in order, as training does)
+  heights      one attention layer at 8,192 tokens with blocks of several heights (`blocks`, C++ rows), and the
+               fused primitive with tiles of several heights, at 1,024 and 8,192 tokens, with 3 and 1 query
+               heads per KV head
   loss         forward + backward of the cross-entropy of `--lengths` rows over SmolLM2's 49,152-piece head:
                MLX's whole-logits loss against `pose_mlx.kernels.loss` (chunks; C++ and MLX ops)
 
@@ -33,7 +37,7 @@ import mlx.nn as nn
 from pose_mlx.backend import status as blas_status
 from pose_mlx.eval import cpu_attention
 from pose_mlx.kernels import attention as blocked
-from pose_mlx.kernels import build, loss, route, rows
+from pose_mlx.kernels import build, loss, route, rows, sizes
 
 from benchmarks.common import ROOT, matmul_gflops, write_between, write_results
 
@@ -115,10 +119,10 @@ def _without_native(fn):
     return run
 
 
-def attention_cases(length: int) -> dict:
+def attention_cases(length: int, kv_heads: int = KV_HEADS) -> dict:
     keys = mx.random.split(mx.random.key(length), 4)
     q = mx.random.normal((1, HEADS, length, HEAD_DIM), key=keys[0])
-    k, v = (mx.random.normal((1, KV_HEADS, length, HEAD_DIM), key=key) for key in keys[1:3])
+    k, v = (mx.random.normal((1, kv_heads, length, HEAD_DIM), key=key) for key in keys[1:3])
     cot = mx.random.normal((1, HEADS, length, HEAD_DIM), key=keys[3])
     mx.eval(q, k, v, cot)
     scale = HEAD_DIM ** -0.5
@@ -129,8 +133,9 @@ def attention_cases(length: int) -> dict:
     return {
         "mlx": step(lambda a, b, c: mx.fast.scaled_dot_product_attention(a, b, c, scale=scale, mask="causal")),
         "numpy custom_function": step(lambda a, b, c: cpu_attention.attention(a, b, c, scale, "causal")),
-        "blocked, C++ rows": step(lambda a, b, c: blocked.attention(a, b, c, scale, "causal")),
-        "blocked, MLX-op rows": _without_native(step(lambda a, b, c: blocked.attention(a, b, c, scale, "causal"))),
+        "fused C++": step(lambda a, b, c: blocked.attention(a, b, c, scale, "causal")),
+        "blocked, C++ rows": step(lambda a, b, c: blocked.blocks(a, b, c, scale, "causal")),
+        "blocked, MLX-op rows": _without_native(step(lambda a, b, c: blocked.blocks(a, b, c, scale, "causal"))),
     }
 
 
@@ -154,8 +159,6 @@ def loss_cases(length: int) -> dict:
 
 def block_heights(length: int, heights: list[int], reps: int) -> dict:
     """Seconds of one attention layer's forward + backward at `length` with blocks of each height (C++ rows)."""
-    from pose_mlx.kernels import sizes
-
     saved = sizes.MAX_BLOCK, sizes.MIN_BLOCK
     step = attention_cases(length)["blocked, C++ rows"]
     seconds = {}
@@ -166,6 +169,25 @@ def block_heights(length: int, heights: list[int], reps: int) -> dict:
     finally:
         sizes.MAX_BLOCK, sizes.MIN_BLOCK = saved
     return {"length": length, "seconds": seconds}
+
+
+def tile_heights(lengths: list[int], tiles: list[int], reps: int) -> dict:
+    """Seconds of one layer's forward + backward through the fused primitive with tiles of each height, at each
+    length, with 3 query heads per KV head (SmolLM2) and 1 (no grouping); {"3 per KV head, 1024": {tile: s}}."""
+    out = {}
+    for rep in (HEADS // KV_HEADS, 1):
+        for length in lengths:
+            step = attention_cases(length, HEADS // rep)["fused C++"]
+            seconds = {}
+            saved = sizes.TILE
+            try:
+                for tile in tiles:
+                    sizes.TILE = tile
+                    seconds[str(tile)] = interleaved({"step": step}, reps)["step"]
+            finally:
+                sizes.TILE = saved
+            out[f"{rep} per KV head, {length}"] = seconds
+    return out
 
 
 def measured(make_cases, lengths: list[int], reps: int) -> dict:
@@ -205,6 +227,11 @@ def markdown(record: dict) -> str:
     lines += ["", f"| queries per block (one layer at {heights['length']:,} tokens, forward + backward) | "
               + " | ".join(heights["seconds"]) + " |", "|---|" + "---|" * len(heights["seconds"]),
               "| seconds | " + " | ".join(f"{s:.2f}" for s in heights["seconds"].values()) + " |"]
+    tiles = record["tile_heights"]
+    names = list(next(iter(tiles.values())))
+    lines += ["", "| queries per tile of the fused primitive (one layer, forward + backward, seconds) | "
+              + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    lines += [f"| {case} tokens | " + " | ".join(f"{row[n]:.3f}" for n in names) + " |" for case, row in tiles.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -220,6 +247,7 @@ def main(argv=None) -> None:
     results["attention"] = measured(attention_cases, lengths, args.reps)
     results["loss"] = measured(loss_cases, lengths, args.reps)
     results["block_heights"] = block_heights(8192, [64, 128, 256, 512], max(2, args.reps // 2))
+    results["tile_heights"] = tile_heights([1024, 8192], [32, 64, 128, 256], max(2, args.reps // 2))
     results["matmul_gflops_after"] = matmul_gflops()
     print(write_results("cpu_kernels", results))
     write_between(ROOT / "docs" / "cpu-training.md", "cpu-kernels", markdown(results))

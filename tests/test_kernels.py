@@ -128,6 +128,7 @@ def _problem(shape, mask_kind, seed=0):
 def test_blocked_attention_and_gradients_equal_mlx(path, monkeypatch, shape, mask_kind):
     monkeypatch.setattr(sizes, "MAX_BLOCK", 8)  # several blocks of queries even at these sizes
     monkeypatch.setattr(sizes, "MIN_BLOCK", 1)
+    monkeypatch.setattr(sizes, "TILE", 6)  # the fused path's tiles: several, the last one shorter
     q, k, v, mask = _problem(shape, mask_kind)
     scale = q.shape[-1] ** -0.5
     cot = mx.random.normal((*q.shape[:3], v.shape[-1]), key=mx.random.key(9))
@@ -153,6 +154,52 @@ def test_blocked_attention_of_16_bit_inputs_is_the_float32_result_rounded(path):
     assert _rel(blocked.attention(q, k, v, 0.3, "causal"), want) < 1e-6
 
 
+def test_on_the_cpu_attention_without_a_mask_array_is_the_fused_primitive(path, monkeypatch):
+    """The native path computes a causal or unmasked attention with one fused primitive (an array mask, or the
+    MLX-op fallback, keeps the blocks of MLX operations): a spy on the kernels module counts its calls."""
+    calls = []
+    kernels = rows.native(mx.zeros(1))
+    if kernels is not None:
+        fused = kernels.attention
+        monkeypatch.setattr(kernels, "attention", lambda *args: calls.append(args[-1]) or fused(*args))
+    for mask_kind in ("causal", "none", "additive"):
+        q, k, v, mask = _problem((1, 4, 2, 20, 20, 8, 8), mask_kind)
+        mx.eval(blocked.attention(q, k, v, 0.3, mask))
+    assert calls == ([sizes.TILE] * 2 if path == "native" else [])
+
+
+@cpu_only("the fused attention runs on the CPU")
+@pytest.mark.parametrize("threads", ["1", "3"])
+def test_fused_attention_is_the_same_on_any_number_of_threads(threads):
+    """Tiles shared out over threads, each adding its dK, dV into its own sums: the same result as MLX's on one
+    thread or on more threads than cores (a child process: the thread count is read once per process)."""
+    import subprocess
+    import sys
+
+    if rows.native(mx.zeros(1)) is None:
+        pytest.skip(f"the C++ kernels are not in use here: {build.status.get('reason')}")
+    script = """
+import numpy as np, pose_mlx, mlx.core as mx
+from pose_mlx.kernels import build
+kernels = build.load()
+keys = mx.random.split(mx.random.key(3), 4)
+q, c = (mx.random.normal((2, 6, 150, 16), key=key) for key in keys[:2])
+k, v = (mx.random.normal((2, 2, 150, 16), key=key) for key in keys[2:])
+def grads(f):
+    return mx.vjp(f, [q, k, v], [c])
+ours = grads(lambda a, b, d: kernels.attention(a, b, d, 0.25, True, 16)[0])
+theirs = grads(lambda a, b, d: mx.fast.scaled_dot_product_attention(a, b, d, scale=0.25, mask="causal"))
+for a, b in zip(ours[0] + ours[1], theirs[0] + theirs[1]):
+    a, b = np.array(a, dtype=np.float64), np.array(b, dtype=np.float64)
+    assert np.abs(a - b).max() / np.abs(b).max() < 1e-5
+print(kernels.threads())
+"""
+    env = {**__import__("os").environ, "POSE_MLX_KERNEL_THREADS": threads}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == threads
+
+
 def test_blocks_never_exceed_their_byte_budget():
     for b, h, lq, lk in [(1, 9, 1024, 1024), (1, 9, 32768, 32768), (4, 32, 4096, 4096), (1, 1, 10, 10)]:
         rows_ = sizes.block_rows(b, h, lq, lk)
@@ -170,9 +217,10 @@ def _peak(evaluate) -> int:
 
 
 @cpu_only("peak memory is measured on the CPU's allocator")
-def test_blocked_attention_memory_grows_with_length_not_its_square():
+def test_blocked_attention_memory_grows_with_length_not_its_square(path):
     """Forward and backward at L and 4L: MLX's own attention keeps the L x L scores (its peak grows about 16x);
-    the blocked one keeps O(L) plus a few blocks of scores."""
+    the blocked one keeps O(L) plus a few blocks of scores (the fused one: its threads' tiles, from MLX's
+    allocator, so counted here)."""
     def peak(attend, length):
         q, k, v, _ = _problem((1, 4, 4, length, length, 16, 16), "none", seed=1)
         mx.eval(q, k, v)

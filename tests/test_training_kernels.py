@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from pose_mlx import extend, use_positions
@@ -107,13 +108,17 @@ def test_training_route_swaps_the_family_names_and_restores_them():
 
     model = build_model("llama")
     module = sys.modules[type(model).__module__]
+    norm_call = nn.RMSNorm.__call__
     with route.training_route(model) as swapped:
         assert module.scaled_dot_product_attention is route.blocked_attention  # the CPU has no fused backward
         native = rows.native(mx.zeros(1)) is not None
         assert (module.swiglu is rows.swiglu) == native
-        assert swapped == [module.__name__] * (2 if native else 1)
+        assert (nn.RMSNorm.__call__ is not norm_call) == native
+        norms = [f"{nn.RMSNorm.__module__}.RMSNorm.__call__"]
+        assert swapped == ([module.__name__] * 2 + norms if native else [module.__name__])
     assert module.scaled_dot_product_attention is base.scaled_dot_product_attention
     assert module.swiglu is activations.swiglu
+    assert nn.RMSNorm.__call__ is norm_call
     with route.training_route(model, "mlx") as swapped:
         assert swapped == [] and module.scaled_dot_product_attention is base.scaled_dot_product_attention
 

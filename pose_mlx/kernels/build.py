@@ -34,7 +34,8 @@ import time
 from pathlib import Path
 
 ENV_VAR = "POSE_MLX_KERNELS"
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_attention.cpp", "cpu_layers.cpp"))
+HEADERS = (Path(__file__).with_name("cpu_common.h"),)
 MODULE = "_cpu_kernels"
 
 #: What `load` did: {"available": bool, "reason": str, "path": str, "built_seconds": float, "threads": int}.
@@ -80,7 +81,7 @@ def _inputs(cxx: str) -> dict:
     nb_dir = Path(nanobind.__file__).resolve().parent
     version = subprocess.run([*shlex.split(cxx), "--version"], capture_output=True, text=True).stdout
     return {
-        "source": hashlib.sha256(SOURCE.read_bytes()).hexdigest(),
+        "source": hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES + HEADERS)).hexdigest(),
         "mlx": mx.__version__, "mlx_dir": str(mlx_dir), "libmlx": [library.stat().st_size, library.stat().st_mtime],
         "nanobind": nanobind.__version__, "nanobind_dir": str(nb_dir),
         "python": sys.version, "ext_suffix": sysconfig.get_config_var("EXT_SUFFIX"),
@@ -95,7 +96,7 @@ def _command(cxx: str, inputs: dict, output: Path) -> list[str]:
         *shlex.split(cxx), "-O3", "-march=native", "-std=c++20", "-fPIC", "-shared", "-fvisibility=hidden", "-fno-math-errno", "-fopenmp-simd",
         "-DNDEBUG", "-DNB_DOMAIN=mlx", f"-I{inputs['python_include']}", f"-I{nb_dir / 'include'}",
         f"-I{nb_dir / 'ext' / 'robin_map' / 'include'}", f"-I{mlx_dir / 'include'}",
-        str(SOURCE), str(nb_dir / "src" / "nb_combined.cpp"),
+        *map(str, SOURCES), str(nb_dir / "src" / "nb_combined.cpp"),
         f"-L{mlx_dir / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx_dir / 'lib'}", "-o", str(output),
     ]
 

@@ -18,96 +18,9 @@
 //   swiglu(g, u) -> g * sigmoid(g) * u                      differentiable (its VJP is swiglu_grad)
 //   swiglu_grad(g, u, dy) -> (dg, du)
 
-#include <nanobind/nanobind.h>
-#include <nanobind/stl/tuple.h>
-
-#include <algorithm>
-#include <bit>
-#include <cmath>
-#include <cstdint>
-#include <cstdlib>
-#include <cstring>
-#include <limits>
-#include <sched.h>
-#include <stdexcept>
-#include <thread>
-#include <vector>
-
-#include "mlx/backend/cpu/encoder.h"
-#include "mlx/ops.h"
-#include "mlx/primitives.h"
-
-namespace mx = mlx::core;
-namespace nb = nanobind;
+#include "cpu_common.h"
 
 namespace {
-
-// ------------------------------------------------------------------------------------------------ exp
-
-constexpr float kLowest = -87.33654f;  // exp below this is under float32's normal range: 0
-constexpr float kHighest = 88.72283f;  // exp above this overflows
-
-// exp(x) = 2^n * p(r), n = round(x / ln 2) (by the 1.5 * 2^23 rounding trick), r = x - n ln 2 (ln 2 in two parts),
-// p a degree-7 fit of e^r on |r| <= ln2 / 2 (Cephes' expf coefficients), 2^n built in the exponent bits. Max
-// relative error about 1 ulp. Branch-free, so that loops over it vectorize.
-__attribute__((always_inline)) inline float exp1(float x) {
-  float xc = std::min(std::max(x, kLowest), kHighest);
-  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23
-  float n = (xc * 1.44269504088896341f + kRound) - kRound;
-  float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  float scale = std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
-  return static_cast<float>(x >= kLowest) * (p * scale);
-}
-
-__attribute__((always_inline)) inline float sigmoid1(float x) {
-  return 1.0f / (1.0f + exp1(-x));
-}
-
-// ------------------------------------------------------------------------------------- vectorized loops
-// (`omp simd` with -fopenmp-simd: vector loops and reductions, no OpenMP runtime)
-
-float row_max(const float* x, int64_t n) {
-  float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-  for (int64_t i = 0; i < n; i++) m = x[i] > m ? x[i] : m;
-  return m;
-}
-
-// y[i] = exp(x[i] - shift) (y may be x); returns sum_i y[i]
-float exp_shifted(const float* x, float* y, int64_t n, float shift) {
-  float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-  for (int64_t i = 0; i < n; i++) {
-    float e = exp1(x[i] - shift);
-    y[i] = e;
-    total += e;
-  }
-  return total;
-}
-
-void scale_row(float* y, int64_t n, float factor) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; i++) y[i] *= factor;
-}
-
-// p becomes exp(s - lse) and ds becomes p * (dp - d) (p may be s, ds may be dp)
-void softmax_grad_row(const float* s, const float* dp, float* p, float* ds, int64_t n, float lse,
-                                    float d) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; i++) {
-    float e = exp1(s[i] - lse);
-    float g = e * (dp[i] - d);
-    p[i] = e;
-    ds[i] = g;
-  }
-}
 
 void swiglu_loop(const float* g, const float* u, float* y, int64_t n) {
 #pragma omp simd
@@ -125,91 +38,6 @@ void swiglu_grad_loop(const float* g, const float* u, const float* dy, float* dg
     du[i] = d * x * s;
   }
 }
-
-// -------------------------------------------------------------------------------------------- threads
-
-int max_threads() {
-  static int count = [] {
-    if (const char* env = std::getenv("POSE_MLX_KERNEL_THREADS")) {
-      int n = std::atoi(env);
-      if (n > 0) return n;
-    }
-    cpu_set_t set;
-    if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
-    return std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
-  }();
-  return count;
-}
-
-// f(begin, end) over [0, items) in contiguous ranges, one per thread; one thread for little work.
-template <class F>
-void parallel_for(int64_t items, int64_t work_per_item, F f) {
-  constexpr int64_t kWorkPerThread = 1 << 17;
-  int64_t threads = std::min<int64_t>(max_threads(), std::max<int64_t>(1, items * work_per_item / kWorkPerThread));
-  threads = std::min(threads, items);
-  if (threads <= 1) {
-    f(int64_t{0}, items);
-    return;
-  }
-  std::vector<std::thread> pool;
-  int64_t step = (items + threads - 1) / threads;
-  for (int64_t t = 1; t < threads; t++) {
-    int64_t begin = t * step, end = std::min(items, begin + step);
-    if (begin < end) pool.emplace_back(f, begin, end);
-  }
-  f(int64_t{0}, std::min(items, step));
-  for (auto& thread : pool) thread.join();
-}
-
-// -------------------------------------------------------------------------------------------- helpers
-
-void check_float32(const mx::array& a, const char* what) {
-  if (a.dtype() != mx::float32) throw std::invalid_argument(std::string(what) + " must be float32");
-}
-
-mx::Stream cpu_stream() {
-  return mx::default_stream(mx::Device::cpu);
-}
-
-// out takes `in`'s buffer when MLX may donate it (no other reader), else fresh memory. The kernels read each
-// element before writing the same element, so an output may share its input's buffer.
-void take_or_allocate(const mx::array& in, mx::array& out) {
-  if (in.is_donatable() && in.flags().row_contiguous && in.itemsize() == out.itemsize() &&
-      in.data_size() == out.size()) {
-    out.copy_shared_buffer(in);
-  } else {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-  }
-}
-
-void allocate(mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-}
-
-struct Mask {
-  bool causal;
-  int64_t first;
-  int64_t block;
-  int64_t visible(int64_t row, int64_t width) const {
-    if (!causal) return width;
-    return std::clamp<int64_t>(first + row % block + 1, 0, width);
-  }
-  bool operator==(const Mask& o) const {
-    return causal == o.causal && first == o.first && block == o.block;
-  }
-};
-
-mx::Shape rows_shape(const mx::array& a) {
-  return mx::Shape(a.shape().begin(), a.shape().end() - 1);
-}
-
-class CpuPrimitive : public mx::Primitive {
- public:
-  using mx::Primitive::Primitive;
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error(std::string(name()) + " runs on the CPU only");
-  }
-};
 
 // ------------------------------------------------------------------------------------------- softmax
 
@@ -435,11 +263,6 @@ class SwiGLU : public CpuPrimitive {
 
 // ----------------------------------------------------------------------------------------------- ops
 
-mx::array rows_input(const mx::array& a, const char* what) {
-  check_float32(a, what);
-  return mx::contiguous(a, false, cpu_stream());
-}
-
 std::tuple<mx::array, mx::array> softmax_rows(const mx::array& scores, bool causal, int64_t first, int64_t block) {
   auto s = rows_input(scores, "scores");
   auto outputs = mx::array::make_arrays({s.shape(), rows_shape(s)}, {mx::float32, mx::float32},
@@ -513,4 +336,6 @@ NB_MODULE(_cpu_kernels, m) {
   m.def("swiglu", &swiglu, nb::arg("gate"), nb::arg("up"));
   m.def("swiglu_grad", &swiglu_grad, nb::arg("gate"), nb::arg("up"), nb::arg("dy"));
   m.def("threads", &max_threads);
+  bind_attention(m);
+  bind_layers(m);
 }

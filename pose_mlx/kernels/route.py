@@ -9,7 +9,7 @@ function). A family that computes attention or its MLP itself is left as it is.
 
 `training_route(model)` is what training runs under: on a backend without a fused attention backward (the CPU;
 Metal, which trains unfused) attention goes through `pose_mlx.kernels.attention` (blocks of queries, no L x L
-scores kept); where the vectorized CPU kernels are built, SwiGLU goes through them; on the CPU, mlx-lm's LoRA layers
+scores kept); where the vectorized CPU kernels are built, SwiGLU and `nn.RMSNorm` go through them; on the CPU, mlx-lm's LoRA layers
 compute through `kernels.lora` (the adapter's product accumulated into the base's). CUDA keeps cuDNN's attention.
 """
 
@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import attention as blocked
-from . import lora, rows
+from . import layers, lora, rows
 
 # mlx-lm is imported where it is used: its package loads transformers (about a second on a 2-core CPU).
 
@@ -101,15 +101,25 @@ def blocked_attention(queries, keys, values, cache=None, scale: float = 1.0, mas
 
 
 @contextlib.contextmanager
-def fused_lora(model: nn.Module) -> Iterator[list]:
-    """Bind mlx-lm's `LoRALinear.__call__` to `kernels.lora.fused_call` for the block, if `model` has such layers
+def rebound_call(model: nn.Module, cls: type, replacement) -> Iterator[list]:
+    """Bind `cls.__call__` to `replacement(original call)` for the block, if `model` has layers of `cls`
     (process-wide for that class while the block runs, as `swapped`); yields the rebound name."""
+    owners = [cls] if any(isinstance(layer, cls) for _, layer in model.named_modules()) else []
+    original = cls.__call__
+    with rebound(owners, "__call__", original, replacement(original)):
+        yield [f"{cls.__module__}.{cls.__name__}.__call__" for _ in owners]
+
+
+def fused_lora(model: nn.Module):
+    """mlx-lm's `LoRALinear.__call__` bound to `kernels.lora.fused_call` for the block (`rebound_call`)."""
     from mlx_lm.tuner.lora import LoRALinear
 
-    owners = [LoRALinear] if any(isinstance(layer, LoRALinear) for _, layer in model.named_modules()) else []
-    original = LoRALinear.__call__
-    with rebound(owners, "__call__", original, lora.fused_call(original)):
-        yield [f"{LoRALinear.__module__}.LoRALinear.__call__" for _ in owners]
+    return rebound_call(model, LoRALinear, lora.fused_call)
+
+
+def native_norms(model: nn.Module):
+    """`nn.RMSNorm.__call__` bound to `kernels.layers.rms_norm` for the block (`rebound_call`)."""
+    return rebound_call(model, nn.RMSNorm, layers.norm_call)
 
 
 @contextlib.contextmanager
@@ -125,10 +135,11 @@ def training_route(model: nn.Module, kernels: str = "auto") -> Iterator[list]:
                                                   blocked_attention))
         if kernels == "auto" and rows.native(mx.zeros(1)) is not None:
             routed += stack.enter_context(swapped(model, SWIGLU, activations.swiglu, rows.swiglu))
+            routed += stack.enter_context(native_norms(model))
         if kernels == "auto" and mx.default_device().type == mx.DeviceType.cpu:
             routed += stack.enter_context(fused_lora(model))
         yield routed
 
 
 __all__ = ["ATTENTION", "SWIGLU", "blocked_attention", "fused_lora", "in_order", "lacks_fused_backward",
-           "modules_calling", "swapped", "training_route"]
+           "modules_calling", "native_norms", "rebound_call", "swapped", "training_route"]

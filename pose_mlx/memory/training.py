@@ -42,6 +42,7 @@ says which numbers are measured and which modelled). Rows are those really train
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, replace
 
 from ..errors import UserError
@@ -211,6 +212,12 @@ def attention_path(arch: Architecture, settings: TrainSettings) -> str:
     return "fused" if settings.row_tokens % FUSED_BACKWARD_ROWS == 0 else "fused-forward"
 
 
+def _fused_cpu_attention(settings: TrainSettings) -> bool:
+    """Whether the blocked attention is the fused C++ one (`kernels/cpu_attention.cpp`): on a Linux CPU, with
+    --kernels auto (the kernels are built on first use there)."""
+    return settings.kernels == "auto" and settings.backend == "cpu" and sys.platform.startswith("linux")
+
+
 #: On a GPU, arrays that the CPU evaluator frees at once are kept until the kernels queued with them have run, so
 #: more activations and temporaries are alive: (compile, grad_checkpoint) -> factor on those (not on the weights,
 #: the optimizer state or the score matrices). Not derived: fitted, each to the measured peak of one configuration
@@ -309,9 +316,14 @@ def _block(arch: Architecture, settings: TrainSettings, counts: Counts, act: _Ac
            path: str) -> _Block:
     c, norms = arch.dtype_bytes, arch.spec.block_norms
     qk_norms = 8 * (act.queries + act.keys) // c if arch.spec.qk_norm else 0  # normalized input and output
-    native = path == "blocked" and settings.backend == "cpu" and c == 4  # the C++ SwiGLU (float32 on a Linux CPU)
-    everything = (2 * act.hidden + norms * 8 * act.hidden // c + 2 * act.queries + 2 * act.keys
-                  + _mlp_saved(arch, native) * act.intermediate + qk_norms + trained.adapter_activations)
+    native = path == "blocked" and settings.backend == "cpu" and c == 4  # the C++ kernels (float32 on a Linux CPU)
+    if native and _fused_cpu_attention(settings):
+        # RMSNorm keeps its input and output, the rotary embedding nothing (its tables are shared), the fused
+        # attention its rotated queries and keys, the values and its output (and its transpose, o_proj's input)
+        layers = (2 + norms) * act.hidden + 3 * act.queries + 2 * act.keys
+    else:
+        layers = 2 * act.hidden + norms * 8 * act.hidden // c + 2 * act.queries + 2 * act.keys
+    everything = layers + _mlp_saved(arch, native) * act.intermediate + qk_norms + trained.adapter_activations
     scores = act.scores * (2 if arch.spec.softcap else 1)
     if path == "blocked":  # the blocked attention keeps the float32 log-sum-exp of each query, no scores
         everything += act.log_sum_exp
@@ -355,6 +367,9 @@ def _working_sets(arch: Architecture, settings: TrainSettings, counts: Counts, a
     if c < 4 and counts.backward16:  # measured apart: a 16-bit model's casts add float32 temporaries
         (hidden_arrays, intermediate_arrays), wide = counts.backward16, 4 / c
     blocked = min(score_arrays, 3 * act.blocks) * act.block_scores  # the blocks queued ahead, three arrays each
+    if _fused_cpu_attention(settings):  # one primitive each way: its threads' buffers, nothing queued
+        blocked = sizes.tile_scratch_bytes(arch.heads, arch.kv_heads, settings.row_tokens, settings.row_tokens,
+                                           arch.head_dim)
     backward_scores = {"fused": 0, "blocked": blocked}.get(path, score_arrays * act.scores)
     backward = wide * (hidden_arrays * act.hidden + intermediate_arrays * act.intermediate)
     if not settings.lora:  # weight gradients already allocated by the evaluator running ahead

@@ -34,6 +34,7 @@ import mlx.nn as nn
 from mlx_lm.models import rope_utils
 
 from ..errors import UserError
+from ..kernels import layers
 from ..rope import dynamic_ntk_base, rope_inv_freq, scaled_inv_freq
 
 #: Config keys that hold a RoPE base, in the order they are matched against a layer's base.
@@ -45,12 +46,13 @@ class _Holder:
     parameters: the explicit position ids (or None), the per-row selector of the original frequencies (bool (B,)
     or None) and the declared sequence length for dynamic NTK (or None)."""
 
-    __slots__ = ("positions", "original", "length")
+    __slots__ = ("positions", "original", "length", "tables")
 
     def __init__(self):
         self.positions = None
         self.original = None
         self.length = None
+        self.tables = {}  # (cos, sin) of the angles at the positions set, by frequencies: every layer shares them
 
 
 @dataclass
@@ -115,6 +117,7 @@ class PositionRoPE(nn.Module):
         self.traditional = traditional
         self.attention_factor = float(attention_factor)
         self._inv_freq = mx.array(np.asarray(inv_freq, dtype=np.float32))
+        self._inv_freq_key = np.asarray(inv_freq, dtype=np.float32).tobytes()
         self._freqs = mx.array((1.0 / np.asarray(inv_freq, dtype=np.float64)).astype(np.float32))
         original = inv_freq if original_inv_freq is None else original_inv_freq
         if len(original) != dims // 2:
@@ -130,10 +133,10 @@ class PositionRoPE(nn.Module):
         positions, original = self._holder.positions, self._holder.original
         if positions is not None and original is not None:
             return self._rotate_mixed(x, positions, original)
+        if positions is not None:
+            return self._rotate_at(x, positions, scale=self.attention_factor)
         if self.attention_factor != 1.0:
             x = x.at[..., : self.dims].multiply(self.attention_factor)
-        if positions is not None:
-            return self._rotate_at(x, positions)
         if self._dynamic is not None:
             return self._dynamic_rope(x, offset)
         return mx.fast.rope(
@@ -161,30 +164,28 @@ class PositionRoPE(nn.Module):
             x = mx.concatenate([x[..., : self.dims] * scale, x[..., self.dims:]], axis=-1)
         return self._rotate_at(x, positions, mx.where(rows, self._original_inv_freq, self._inv_freq))
 
-    def _rotate_at(self, x: mx.array, positions: mx.array, inv_freq: mx.array | None = None) -> mx.array:
+    def _rotate_at(self, x: mx.array, positions: mx.array, inv_freq: mx.array | None = None,
+                   scale: float = 1.0) -> mx.array:
         """Rotate token t of x (B, H, L, D) by positions[..., t] * inv_freq (default: the scheduled inverse
-        frequencies); positions is (L,) or (B, L), inv_freq (d/2,) or per row (B, 1, d/2)."""
+        frequencies) after scaling its first `dims` features by `scale`; positions is (L,) or (B, L), inv_freq
+        (d/2,) or per row (B, 1, d/2). The scheduled angles' cos and sin are computed once for every layer."""
         length = x.shape[-2]
         if positions.shape[-1] != length:
             raise ValueError(f"position ids cover {positions.shape[-1]} tokens but the input has {length}")
-        inv_freq = self._inv_freq if inv_freq is None else inv_freq
-        angles = positions.astype(mx.float32)[..., None] * inv_freq  # (L, d/2) or (B, L, d/2)
-        if angles.ndim == 3:
-            angles = angles[:, None]  # broadcast over heads
-        cos, sin = mx.cos(angles), mx.sin(angles)
-        d, half = self.dims, self.dims // 2
-        rot = x[..., :d].astype(mx.float32)
-        if self.traditional:
-            pairs = rot.reshape(*rot.shape[:-1], half, 2)
-            a, b = pairs[..., 0], pairs[..., 1]
-            out = mx.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(rot.shape)
+        if inv_freq is None:  # the scheduled frequencies: every layer of the model shares the tables
+            key = (id(positions), self._inv_freq_key)
+            if key not in self._holder.tables:
+                self._holder.tables[key] = _angle_tables(positions, self._inv_freq)
+            tables = self._holder.tables[key]
         else:
-            a, b = rot[..., :half], rot[..., half:]
-            out = mx.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
-        out = out.astype(x.dtype)
-        if d < x.shape[-1]:
-            out = mx.concatenate([out, x[..., d:]], axis=-1)
-        return out
+            tables = _angle_tables(positions, inv_freq)
+        return layers.rotate(x, *tables, self.dims, self.traditional, scale)
+
+
+def _angle_tables(positions: mx.array, inv_freq: mx.array) -> tuple[mx.array, mx.array]:
+    """cos and sin of positions[..., t] * inv_freq: (L, d/2), or (B, L, d/2)."""
+    angles = positions.astype(mx.float32)[..., None] * inv_freq
+    return mx.cos(angles), mx.sin(angles)
 
 
 _ROPE_TYPES = (
@@ -352,14 +353,14 @@ def use_positions(model: nn.Module, position_ids, original_rows=None) -> Iterato
             raise ValueError(f"original_rows must have shape (B,) for position ids (B, L), got {tuple(rows.shape)} "
                              f"and {tuple(ids.shape)}")
         rows = rows.astype(mx.bool_)
-    previous = [(h, h.positions, h.original) for h in holders]
+    previous = [(h, h.positions, h.original, h.tables) for h in holders]
     for h in holders:
-        h.positions, h.original = ids, rows
+        h.positions, h.original, h.tables = ids, rows, {}
     try:
         yield
     finally:
-        for h, old, old_rows in previous:
-            h.positions, h.original = old, old_rows
+        for h, old, old_rows, old_tables in previous:
+            h.positions, h.original, h.tables = old, old_rows, old_tables
 
 
 @contextlib.contextmanager
