@@ -128,7 +128,7 @@ def derived(seconds: dict) -> dict:
 
 PARTS = (("products", "the matrix products no path avoids: each projection's forward and input gradient, the "
                       "head's two"),
-         ("attention", "attention, blocked, forward + backward, every layer"),
+         ("attention", "attention (one fused kernel each way on this CPU), forward + backward, every layer"),
          ("loss", "the loss, chunked, forward + backward (the head's products included)"),
          ("adapters", "the rank-8 adapters: the update less the update without them"),
          ("rest", "the rest: norms, rotary embedding, SwiGLU, residual sums, copies, allocation"))

@@ -262,6 +262,7 @@ def markdown(results: dict) -> str:
         ours, theirs = entry["pose_mlx"], entry["mlx_lm"]
         ran = "seconds_per_update" in theirs
         own = ours.get("own_seconds_per_update") if ours.get("notes") else None
+        own = own if own and abs(own / ours["seconds_per_update"] - 1) > 0.05 else None  # only where they differ
         lines.append("| " + " | ".join([
             config, f"{ours['seconds_per_update']:,.1f}" + (f" ({own:,.1f} alone)" if own else "")
             + ("*" if ours.get("notes") else ""),

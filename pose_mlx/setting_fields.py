@@ -144,8 +144,9 @@ class RunSettings:
     compile: bool = setting(True, flags=(Flag("--no-compile", "run the training step eagerly instead of under "
                                                               "mx.compile (same math)", False),))
     kernels: str = setting(
-        "auto", "auto (default): attention in query blocks, the loss in row chunks, CPU kernels (C++ rows, fused "
-                "LoRA); mlx: MLX's own (docs/cpu-training.md)", rule=one_of(KERNELS), choices=KERNELS)
+        "auto", "auto (default): blocked attention (fused on the CPU), chunked loss, C++ kernels (rows, norms, "
+                "rotary, LoRA); mlx: MLX's own (docs/cpu-training.md)",
+        rule=one_of(KERNELS), choices=KERNELS)
     align_rows: str = setting(
         "auto", "pad each training row with masked tokens to a multiple of 128 inputs, so that MLX's CUDA attention "
                 "can use its fused backward: auto (default: on with CUDA only), on, off; the loss is unchanged",

@@ -67,15 +67,20 @@ def test_rotation_and_its_gradient_against_float64(path, traditional, dims, per_
     assert _rel(dx, back) < 1e-6
 
 
-def test_every_layer_shares_one_table_of_angles_while_the_positions_are_set():
+def test_every_layer_rotates_through_the_kernels_with_one_table_of_angles(monkeypatch):
     model = build_model("llama")
     extend(model, "yarn", 64, 256)
     ids = mx.arange(3, 43)
     tokens = mx.zeros((1, 40), dtype=mx.int32)
     holder = model.model.layers[0].self_attn.rope._holder
+    tables = []
+    real = layers.rotate
+    monkeypatch.setattr(layers, "rotate", lambda x, cos, sin, *args: tables.append((cos, sin)) or real(x, cos, sin, *args))
     with use_positions(model, ids):
         mx.eval(model(tokens))
-        assert len(holder.tables) == 1 and len(model.model.layers) > 1  # one (cos, sin) for every layer
+        assert len(tables) == 2 * len(model.model.layers) > 2  # queries and keys of every layer
+        assert all(c is tables[0][0] and s is tables[0][1] for c, s in tables)  # one (cos, sin) for all of them
+        assert len(holder.tables) == 1
         ((cos, sin),) = holder.tables.values()
         assert cos.shape == sin.shape == (40, model.model.layers[0].self_attn.rope.dims // 2)
     assert holder.tables == {}  # not kept once the positions are no longer set

@@ -241,16 +241,35 @@ void backward(const Problem& p, const float* q, const float* k, const float* v, 
 
 // ---------------------------------------------------------------------------------------------- primitives
 
-class AttentionGrad : public CpuPrimitive {
+// What both directions share: the attributes, and an evaluation's outputs allocated and its arrays registered.
+class AttentionPrimitive : public CpuPrimitive {
  public:
-  AttentionGrad(mx::Stream s, float scale, bool causal, int64_t tile)
+  AttentionPrimitive(mx::Stream s, float scale, bool causal, int64_t tile)
       : CpuPrimitive(s), scale_(scale), causal_(causal), tile_(tile) {}
-  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& out) override {
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const AttentionPrimitive&>(other);
+    return scale_ == o.scale_ && causal_ == o.causal_ && tile_ == o.tile_;
+  }
+
+ protected:
+  // the encoder of this evaluation, `out` allocated; the problem of queries, keys and values in[0..2]
+  std::pair<mx::cpu::CommandEncoder&, Problem> begin(const std::vector<mx::array>& in, std::vector<mx::array>& out) {
     for (auto& a : out) allocate(a);
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (auto& a : in) encoder.set_input_array(a);
     for (auto& a : out) encoder.set_output_array(a);
-    Problem p(in[0], in[1], in[2], scale_, causal_, tile_);
+    return {encoder, Problem(in[0], in[1], in[2], scale_, causal_, tile_)};
+  }
+  float scale_;
+  bool causal_;
+  int64_t tile_;
+};
+
+class AttentionGrad : public AttentionPrimitive {
+ public:
+  using AttentionPrimitive::AttentionPrimitive;
+  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& out) override {
+    auto [encoder, p] = begin(in, out);
     encoder.dispatch([p, q = in[0].data<float>(), k = in[1].data<float>(), v = in[2].data<float>(),
                       o = in[3].data<float>(), lse = in[4].data<float>(), dout = in[5].data<float>(),
                       dq = out[0].data<float>(), dk = out[1].data<float>(), dv = out[2].data<float>()]() {
@@ -258,30 +277,16 @@ class AttentionGrad : public CpuPrimitive {
     });
   }
   const char* name() const override { return "AttentionGrad"; }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto& o = static_cast<const AttentionGrad&>(other);
-    return scale_ == o.scale_ && causal_ == o.causal_ && tile_ == o.tile_;
-  }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
     return {in[0].shape(), in[1].shape(), in[2].shape()};
   }
-
- private:
-  float scale_;
-  bool causal_;
-  int64_t tile_;
 };
 
-class Attention : public CpuPrimitive {
+class Attention : public AttentionPrimitive {
  public:
-  Attention(mx::Stream s, float scale, bool causal, int64_t tile)
-      : CpuPrimitive(s), scale_(scale), causal_(causal), tile_(tile) {}
+  using AttentionPrimitive::AttentionPrimitive;
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& out) override {
-    for (auto& a : out) allocate(a);
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (auto& a : in) encoder.set_input_array(a);
-    for (auto& a : out) encoder.set_output_array(a);
-    Problem p(in[0], in[1], in[2], scale_, causal_, tile_);
+    auto [encoder, p] = begin(in, out);
     encoder.dispatch([p, q = in[0].data<float>(), k = in[1].data<float>(), v = in[2].data<float>(),
                       o = out[0].data<float>(), lse = out[1].data<float>()]() {
       int threads = p.threads();
@@ -305,20 +310,11 @@ class Attention : public CpuPrimitive {
     return chosen;
   }
   const char* name() const override { return "Attention"; }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto& o = static_cast<const Attention&>(other);
-    return scale_ == o.scale_ && causal_ == o.causal_ && tile_ == o.tile_;
-  }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
     auto o = in[0].shape();
     o.back() = in[2].shape(-1);
     return {o, mx::Shape(o.begin(), o.end() - 1)};
   }
-
- private:
-  float scale_;
-  bool causal_;
-  int64_t tile_;
 };
 
 // (O, lse) of softmax(scale * Q K^T [causal]) V: float32 (B, H, Lq, D), (B, Hkv, Lk, D), (B, Hkv, Lk, Dv)

@@ -4,8 +4,9 @@
   (batch x heads x rows x keys x 4 bytes) would pass BLOCK_BYTES, never fewer than MIN_BLOCK (every block adds a
   pass over the keys' gradients, so that fewer rows cost more time than they save memory:
   benchmarks/bench_cpu_kernels.py times one layer at several block heights);
-- fused CPU attention (`cpu_attention.cpp`): tiles of TILE queries (64: the fastest of 32-256 at 1k-8k, with 1 and
-  3 query heads per KV head, benchmarks/bench_cpu_kernels.py); `tile_scratch_bytes` is what its threads hold;
+- fused CPU attention (`cpu_attention.cpp`): tiles of TILE queries (64: the fastest height at 1k tokens with
+  SmolLM2's 3 query heads per KV head, near the fastest at 8k and with 1 query head per KV head: the tile heights
+  of benchmarks/bench_cpu_kernels.py, in docs/cpu-training.md); `tile_scratch_bytes` is what its threads hold;
 - loss: `chunk_rows` rows of float32 logits at a time, CHUNK_BYTES of them.
 """
 
