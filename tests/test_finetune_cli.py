@@ -315,7 +315,7 @@ def test_the_memory_refusal_offers_plans_changes_and_a_command_that_fits(tiny_mo
     from pose_mlx import plan
 
     args = [str(a) for a in ["--model", tiny_model, "--target", "4x", "--data", text_dir, "--cache-dir",
-                             tmp_path / "c", "--output", tmp_path / "a", *FAST]]
+                             tmp_path / "c", "--output", tmp_path / "a", *FAST, "--window", "64"]]
     assert plan.main([*args, "--max-memory", "1K", "--json"]) == 0
     record = json.loads(capsys.readouterr().out)
     peaks = sorted(s["peak_bytes"] for s in record["suggestions"] if s["run_changes"] is not None)

@@ -16,7 +16,6 @@
 // thread for a caller (a threaded BLAS other than MKL), tiles run one after the other and the BLAS threads each
 // product.
 
-#include <atomic>
 
 #include "cpu_common.h"
 
@@ -63,17 +62,17 @@ struct OneBlasThread {
   }
 };
 
-// f(item, thread) for items 0 .. count-1 handed out in order, on up to `threads` threads (this one included)
+// f(item, thread) for items 0 .. count-1 on up to `threads` threads (this one included): thread t of n takes the
+// items t, t + n, t + 2n, ... (the costliest first), the same on every run, so that sums made per thread are too.
 template <class F>
 void share_out(int64_t count, int threads, F f) {
   if (threads <= 1 && !tiles_in_parallel()) {  // a threaded BLAS that cannot be told otherwise threads each product
     for (int64_t item = 0; item < count; item++) f(item, 0);
     return;
   }
-  std::atomic<int64_t> next{0};
-  auto work = [&](int thread) {
+  auto work = [&](int thread, int team) {
     OneBlasThread single;
-    for (int64_t item; (item = next.fetch_add(1)) < count;) f(item, thread);
+    for (int64_t item = thread; item < count; item += team) f(item, thread);
   };
   on_threads(threads, work);
 }

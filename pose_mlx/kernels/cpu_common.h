@@ -111,10 +111,11 @@ int max_threads() {
 }
 
 // The OpenMP runtime the BLAS threads with (MKL's libiomp5, or libgomp), once the process has loaded it: its
-// GOMP_parallel and omp_get_thread_num (both runtimes export them). Null members where there is none.
+// GOMP_parallel, omp_get_thread_num and omp_get_num_threads (both runtimes export them). Null where there is none.
 struct OpenMP {
   void (*parallel)(void (*)(void*), void*, unsigned, unsigned) = nullptr;
   int (*thread_num)() = nullptr;
+  int (*num_threads)() = nullptr;
 };
 
 const OpenMP& openmp() {
@@ -123,39 +124,43 @@ const OpenMP& openmp() {
   for (const char* library : {static_cast<const char*>(nullptr), "libiomp5.so", "libgomp.so.1"}) {
     void* handle = library ? dlopen(library, RTLD_NOW | RTLD_NOLOAD) : RTLD_DEFAULT;  // never loads one
     if (!handle) continue;
-    auto parallel = reinterpret_cast<decltype(OpenMP::parallel)>(dlsym(handle, "GOMP_parallel"));
-    auto thread_num = reinterpret_cast<decltype(OpenMP::thread_num)>(dlsym(handle, "omp_get_thread_num"));
-    if (parallel && thread_num) {
-      found.thread_num = thread_num;
-      found.parallel = parallel;
+    OpenMP candidate;
+    candidate.parallel = reinterpret_cast<decltype(OpenMP::parallel)>(dlsym(handle, "GOMP_parallel"));
+    candidate.thread_num = reinterpret_cast<decltype(OpenMP::thread_num)>(dlsym(handle, "omp_get_thread_num"));
+    candidate.num_threads = reinterpret_cast<decltype(OpenMP::num_threads)>(dlsym(handle, "omp_get_num_threads"));
+    if (candidate.parallel && candidate.thread_num && candidate.num_threads) {
+      found.thread_num = candidate.thread_num;
+      found.num_threads = candidate.num_threads;
+      found.parallel = candidate.parallel;
       break;
     }
   }
   return found;
 }
 
-// f(thread) on `threads` threads, this one thread 0. In the BLAS's OpenMP team where there is one: a team that
-// has just run a product spins, waiting for the next, and threads of our own would share the cores with it.
+// f(thread, count) on up to `threads` threads, this one thread 0, `count` the threads that run (an OpenMP team may
+// be given fewer than asked). In the BLAS's OpenMP team where there is one: a team that has just run a product
+// spins, waiting for the next, and threads of our own would share the cores with it.
 template <class F>
 void on_threads(int threads, F& f) {
   if (threads <= 1) {
-    f(0);
+    f(0, 1);
     return;
   }
   if (const OpenMP& omp = openmp(); omp.parallel) {
     struct Call {
       F* f;
-      int (*thread_num)();
-    } call{&f, omp.thread_num};
+      const OpenMP* omp;
+    } call{&f, &omp};
     omp.parallel([](void* data) {
       auto* c = static_cast<Call*>(data);
-      (*c->f)(c->thread_num());
+      (*c->f)(c->omp->thread_num(), c->omp->num_threads());
     }, &call, static_cast<unsigned>(threads), 0);
     return;
   }
   std::vector<std::thread> pool;
-  for (int t = 1; t < threads; t++) pool.emplace_back([&f, t] { f(t); });
-  f(0);
+  for (int t = 1; t < threads; t++) pool.emplace_back([&f, t, threads] { f(t, threads); });
+  f(0, threads);
   for (auto& thread : pool) thread.join();
 }
 
@@ -164,10 +169,9 @@ template <class F>
 void parallel_for(int64_t items, int64_t work_per_item, F f) {
   constexpr int64_t kWorkPerThread = 1 << 17;
   int64_t threads = std::min<int64_t>(max_threads(), std::max<int64_t>(1, items * work_per_item / kWorkPerThread));
-  threads = std::min(threads, items);
-  int64_t step = (items + threads - 1) / std::max<int64_t>(threads, 1);
-  auto range = [&](int thread) {
-    int64_t begin = thread * step, end = std::min(items, begin + step);
+  threads = std::max<int64_t>(1, std::min(threads, items));
+  auto range = [&](int thread, int count) {
+    int64_t step = (items + count - 1) / count, begin = thread * step, end = std::min(items, begin + step);
     if (begin < end) f(begin, end);
   };
   on_threads(static_cast<int>(threads), range);

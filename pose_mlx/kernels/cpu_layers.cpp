@@ -39,9 +39,9 @@ class RmsNormGrad : public CpuPrimitive {
                       dwp = out[1].data<float>(), n, rows, eps = eps_]() {
       int threads = static_cast<int>(std::clamp<int64_t>(rows * n / (1 << 16), 1, max_threads()));
       std::vector<float> partial(threads * n, 0.0f);  // each thread's sum of dy * x * r
-      int64_t step = (rows + threads - 1) / threads;
-      auto work = [&](int thread) {
+      auto work = [&](int thread, int count) {
         float* dw = partial.data() + thread * n;
+        int64_t step = (rows + count - 1) / count;
         for (int64_t row = thread * step; row < std::min(rows, (thread + 1) * step); row++) {
           const float *x = xp + row * n, *dy = dyp + row * n;
           float r = 1.0f / std::sqrt(sum_squares(x, n) / n + eps), dot = 0.0f;
