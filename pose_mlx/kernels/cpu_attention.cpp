@@ -254,9 +254,7 @@ class AttentionPrimitive : public CpuPrimitive {
   // the encoder of this evaluation, `out` allocated; the problem of queries, keys and values in[0..2]
   std::pair<mx::cpu::CommandEncoder&, Problem> begin(const std::vector<mx::array>& in, std::vector<mx::array>& out) {
     for (auto& a : out) allocate(a);
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (auto& a : in) encoder.set_input_array(a);
-    for (auto& a : out) encoder.set_output_array(a);
+    auto& encoder = encoder_for(stream(), in, out);
     return {encoder, Problem(in[0], in[1], in[2], scale_, causal_, tile_)};
   }
   float scale_;
@@ -304,9 +302,7 @@ class Attention : public AttentionPrimitive {
         {primals[0].shape(), primals[1].shape(), primals[2].shape()}, {mx::float32, mx::float32, mx::float32},
         std::make_shared<AttentionGrad>(stream(), scale_, causal_, tile_),
         {primals[0], primals[1], primals[2], outputs[0], outputs[1], dout});
-    std::vector<mx::array> chosen;
-    for (int arg : argnums) chosen.push_back(grads[arg]);
-    return chosen;
+    return chosen(grads, argnums);
   }
   const char* name() const override { return "Attention"; }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {

@@ -227,6 +227,22 @@ class CpuPrimitive : public mx::Primitive {
   }
 };
 
+// The CPU command encoder of `stream`, every input and output of the evaluation registered with it.
+mx::cpu::CommandEncoder& encoder_for(mx::Stream stream, const std::vector<mx::array>& in,
+                                     std::vector<mx::array>& out) {
+  auto& encoder = mx::cpu::get_command_encoder(stream);
+  for (auto& a : in) encoder.set_input_array(a);
+  for (auto& a : out) encoder.set_output_array(a);
+  return encoder;
+}
+
+// A VJP's gradients for the arguments asked for (`argnums`), from all of them.
+std::vector<mx::array> chosen(const std::vector<mx::array>& grads, const std::vector<int>& argnums) {
+  std::vector<mx::array> out;
+  for (int arg : argnums) out.push_back(grads[arg]);
+  return out;
+}
+
 mx::array rows_input(const mx::array& a, const char* what) {
   check_float32(a, what);
   return mx::contiguous(a, false, cpu_stream());

@@ -48,10 +48,7 @@ class SoftmaxRows : public CpuPrimitive {
     const mx::array& s = in[0];
     take_or_allocate(s, out[0]);
     allocate(out[1]);
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(s);
-    encoder.set_output_array(out[0]);
-    encoder.set_output_array(out[1]);
+    auto& encoder = encoder_for(stream(), in, out);
     int64_t width = s.shape(-1), rows = s.size() / std::max<int64_t>(width, 1);
     encoder.dispatch([sp = s.data<float>(), pp = out[0].data<float>(), lp = out[1].data<float>(), width, rows,
                       mask = mask_]() {
@@ -93,10 +90,7 @@ class SoftmaxRowsGrad : public CpuPrimitive {
     const mx::array &s = in[0], &dp = in[1], &lse = in[2], &d = in[3];
     take_or_allocate(s, out[0]);
     take_or_allocate(dp, out[1]);
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (auto& a : in) encoder.set_input_array(a);
-    encoder.set_output_array(out[0]);
-    encoder.set_output_array(out[1]);
+    auto& encoder = encoder_for(stream(), in, out);
     int64_t width = s.shape(-1), rows = s.size() / std::max<int64_t>(width, 1);
     encoder.dispatch([sp = s.data<float>(), dpp = dp.data<float>(), lp = lse.data<float>(), dd = d.data<float>(),
                       pp = out[0].data<float>(), dsp = out[1].data<float>(), width, rows, mask = mask_]() {
@@ -131,11 +125,7 @@ class CrossEntropyRows : public CpuPrimitive {
     const mx::array &z = in[0], &t = in[1];
     allocate(out[0]);
     allocate(out[1]);
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(z);
-    encoder.set_input_array(t);
-    encoder.set_output_array(out[0]);
-    encoder.set_output_array(out[1]);
+    auto& encoder = encoder_for(stream(), in, out);
     int64_t width = z.shape(-1), rows = z.size() / std::max<int64_t>(width, 1);
     encoder.dispatch([zp = z.data<float>(), tp = t.data<int32_t>(), lp = out[0].data<float>(),
                       pk = out[1].data<float>(), width, rows]() {
@@ -167,9 +157,7 @@ class CrossEntropyWithGrad : public CpuPrimitive {
     allocate(out[0]);
     allocate(out[1]);
     take_or_allocate(z, out[2]);
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (auto& a : in) encoder.set_input_array(a);
-    for (auto& a : out) encoder.set_output_array(a);
+    auto& encoder = encoder_for(stream(), in, out);
     int64_t width = z.shape(-1), rows = z.size() / std::max<int64_t>(width, 1);
     encoder.dispatch([zp = z.data<float>(), tp = t.data<int32_t>(), wp = w.data<float>(), lp = out[0].data<float>(),
                       pk = out[1].data<float>(), dp = out[2].data<float>(), width, rows]() {
@@ -211,10 +199,7 @@ class SwiGLUGrad : public CpuPrimitive {
     const mx::array &g = in[0], &u = in[1], &dy = in[2];
     take_or_allocate(g, out[0]);
     take_or_allocate(u, out[1]);
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (auto& a : in) encoder.set_input_array(a);
-    encoder.set_output_array(out[0]);
-    encoder.set_output_array(out[1]);
+    auto& encoder = encoder_for(stream(), in, out);
     int64_t n = g.size();
     encoder.dispatch([gp = g.data<float>(), up = u.data<float>(), dyp = dy.data<float>(), dgp = out[0].data<float>(),
                       dup = out[1].data<float>(), n]() {
@@ -236,10 +221,7 @@ class SwiGLU : public CpuPrimitive {
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& out) override {
     const mx::array &g = in[0], &u = in[1];
     allocate(out[0]);
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(g);
-    encoder.set_input_array(u);
-    encoder.set_output_array(out[0]);
+    auto& encoder = encoder_for(stream(), in, out);
     int64_t n = g.size();
     encoder.dispatch([gp = g.data<float>(), up = u.data<float>(), yp = out[0].data<float>(), n]() {
       parallel_for(n, 1, [&](int64_t begin, int64_t end) {
@@ -252,9 +234,7 @@ class SwiGLU : public CpuPrimitive {
     auto dy = mx::contiguous(cotangents[0], false, stream());
     auto grads = mx::array::make_arrays({primals[0].shape(), primals[0].shape()}, {mx::float32, mx::float32},
                                         std::make_shared<SwiGLUGrad>(stream()), {primals[0], primals[1], dy});
-    std::vector<mx::array> chosen;
-    for (int arg : argnums) chosen.push_back(grads[arg]);
-    return chosen;
+    return chosen(grads, argnums);
   }
   const char* name() const override { return "SwiGLU"; }
   bool is_equivalent(const mx::Primitive&) const override { return true; }

@@ -31,9 +31,7 @@ class RmsNormGrad : public CpuPrimitive {
     const mx::array &x = in[0], &w = in[1], &dy = in[2];
     allocate(out[0]);
     allocate(out[1]);
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (auto& a : in) encoder.set_input_array(a);
-    for (auto& a : out) encoder.set_output_array(a);
+    auto& encoder = encoder_for(stream(), in, out);
     int64_t n = x.shape(-1), rows = x.size() / std::max<int64_t>(n, 1);
     encoder.dispatch([xp = x.data<float>(), wp = w.data<float>(), dyp = dy.data<float>(), dxp = out[0].data<float>(),
                       dwp = out[1].data<float>(), n, rows, eps = eps_]() {
@@ -82,10 +80,7 @@ class RmsNorm : public CpuPrimitive {
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& out) override {
     const mx::array &x = in[0], &w = in[1];
     allocate(out[0]);
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(x);
-    encoder.set_input_array(w);
-    encoder.set_output_array(out[0]);
+    auto& encoder = encoder_for(stream(), in, out);
     int64_t n = x.shape(-1), rows = x.size() / std::max<int64_t>(n, 1);
     encoder.dispatch([xp = x.data<float>(), wp = w.data<float>(), yp = out[0].data<float>(), n, rows, eps = eps_]() {
       parallel_for(rows, n, [&](int64_t begin, int64_t end) {
@@ -104,9 +99,7 @@ class RmsNorm : public CpuPrimitive {
     auto dy = mx::contiguous(cotangents[0], false, stream());
     auto grads = mx::array::make_arrays({primals[0].shape(), primals[1].shape()}, {mx::float32, mx::float32},
                                         std::make_shared<RmsNormGrad>(stream(), eps_), {primals[0], primals[1], dy});
-    std::vector<mx::array> chosen;
-    for (int arg : argnums) chosen.push_back(grads[arg]);
-    return chosen;
+    return chosen(grads, argnums);
   }
   const char* name() const override { return "RmsNorm"; }
   bool is_equivalent(const mx::Primitive& other) const override {
@@ -149,9 +142,7 @@ class Rope : public CpuPrimitive {
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& out) override {
     const mx::array &x = in[0], &c = in[1], &s = in[2];
     take_or_allocate(x, out[0]);
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (auto& a : in) encoder.set_input_array(a);
-    encoder.set_output_array(out[0]);
+    auto& encoder = encoder_for(stream(), in, out);
     int64_t batch = x.shape(0), heads = x.shape(1), length = x.shape(2), d = x.shape(3);
     bool per_row = c.ndim() == 3;
     encoder.dispatch([xp = x.data<float>(), cp = c.data<float>(), sp = s.data<float>(), yp = out[0].data<float>(),
