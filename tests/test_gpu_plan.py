@@ -79,16 +79,25 @@ def test_rates_are_the_records_median_or_an_estimate_that_says_so():
         rate(rates, "ruler", 65536)
 
 
+CURVE_RECORDS = "benchmarks/results/real_model/protocol_full/curve"
+
+
 def test_the_queue_plan_costs_claim_b_from_the_committed_records():
-    """Addendum A's claim job holds both fine-tunings (estimated), their 14 curve points and its 6 evaluations at
-    the amended counts, each passkey costed at the median seconds per trial of the committed GPU records."""
+    """Addendum A's claim job holds the fine-tunings whose adapters are not committed (estimated), the curve points
+    not recorded yet (7 a run) and its evaluations at the amended counts, each passkey costed at the median seconds
+    per trial of the committed GPU records."""
     rates = gpu_plan.gpu_rates()
     jobs = gpu_plan.evidence_jobs(rates, ROOT / "out" / "nothing-here")
     assert [j.name for j in jobs] == ["a-claim", "b-decisive", "a-rest", "b-rest"]
     claim = {t.label: t for t in jobs[0].tasks}
-    assert {n for n, t in claim.items() if t.lane == "train"} == {"pose-yarn-joined fine-tuning",
-                                                                   "full-yarn fine-tuning"}
-    assert sum(" curve @" in n for n in claim) == 14
+    runs = ("pose-yarn-joined", "full-yarn")
+    adapters, curve = ROOT / "benchmarks/results/real_model/protocol/adapters", ROOT / CURVE_RECORDS
+    untrained = {n for n in runs if not (adapters / n).is_dir()}
+    assert "full-yarn" in untrained
+    assert {n for n, t in claim.items() if t.lane == "train"} == {f"{n} fine-tuning" for n in untrained}
+    recorded = {(n, s) for n in runs for s in range(25, 200, 25) if (curve / f"{n}@{s}.ppl.32768.json").is_file()}
+    assert {n for n in claim if " curve @" in n} == {f"{n} curve @{s}" for n in runs for s in range(25, 200, 25)
+                                                    if (n, s) not in recorded}
     per_trial = statistics.median(rates[("passkey", 32768)])
     assert claim["full-yarn passkey 32768"].seconds == pytest.approx(274 * per_trial)
     assert claim["full-yarn passkey 32768"].source.startswith("recorded")
