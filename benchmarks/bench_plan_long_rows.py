@@ -10,7 +10,8 @@ gradient checkpointing, one full-length row of 2k-8k input tokens, on random lla
 (hidden 576, 9 query and 3 key-value heads, head dim 64, intermediate 1536, float32) at 2, 6 and 12 blocks, with a
 512-piece vocabulary or SmolLM2's 49,152 (the same tokenizer; only the embedding grows), compiled and eager,
 through MLX's own attention and loss (`--kernels mlx`: what `memory.COUNTS` models, and what every GPU but Metal
-trains; `bench_plan_sweep.py` covers pose_mlx.kernels' path).
+trains), and the same rows, with two of 16k, through pose_mlx's kernels on the CPU (`--kernels auto`: the fused C++
+attention, RMSNorm and rotary kernels, the chunked loss; what `memory.training.FUSED_CPU_COUNTS` models).
 
 Measurements are appended to `results/plan_long_rows.jsonl` as they finish (a run resumes from it). Predictions
 are made afterwards by today's planner from each model's config.json alone, and the real model's measured
@@ -37,11 +38,14 @@ RAW = RESULTS_DIR / "plan_long_rows.jsonl"
 BLOCK = dict(hidden_size=576, num_heads=9, num_kv_heads=3, intermediate_size=1536)
 LARGE_VOCAB = 49152
 # (blocks, vocabulary, input tokens per row, compiled)
-RUNS = [
+SHAPES = [
     (2, 512, 2048, True), (2, 512, 4096, True), (2, 512, 6144, True), (6, 512, 4096, True), (2, 512, 8192, True),
     (2, 512, 4096, False), (2, LARGE_VOCAB, 4096, True), (2, LARGE_VOCAB, 8192, True), (2, LARGE_VOCAB, 4096, False),
     (6, 512, 8192, True), (12, 512, 4096, True), (2, LARGE_VOCAB, 8192, False),
 ]
+# (blocks, vocabulary, input tokens per row, compiled, --kernels)
+RUNS = [(*s, "mlx") for s in SHAPES] + [(*s, "auto") for s in SHAPES] \
+    + [(2, 512, 16384, True, "auto"), (2, LARGE_VOCAB, 16384, True, "auto")]
 
 
 def model_folder(work: Path, blocks: int, vocab: int) -> Path:
@@ -62,9 +66,9 @@ def model_folder(work: Path, blocks: int, vocab: int) -> Path:
     return toy.save_model_folder(build_model(config, 0), config, folder, folder)
 
 
-def flags(folder: Path, rows: int, compiled: bool, work: Path, index: int) -> list[str]:
+def flags(folder: Path, rows: int, compiled: bool, kernels: str, work: Path, index: int) -> list[str]:
     """finetune's flags: full-length rows of `rows` inputs (target rows + 1), LoRA rank 16, checkpointing."""
-    run = (folder.name, 1024, rows + 1, "full", 1, False, True, compiled, ["--lora-rank", "16", "--kernels", "mlx"])
+    run = (folder.name, 1024, rows + 1, "full", 1, False, True, compiled, ["--lora-rank", "16", "--kernels", kernels])
     return bench_plan.finetune_flags(folder, run, work, index)
 
 
@@ -74,34 +78,37 @@ def measure(work: Path, indices) -> None:
     for i in indices:
         if tuple(RUNS[i]) in done:
             continue
-        blocks, vocab, rows, compiled = RUNS[i]
+        blocks, vocab, rows, compiled, kernels = RUNS[i]
         folder = model_folder(work, blocks, vocab)
-        argv = flags(folder, rows, compiled, work, i)
-        assert planner.planned_run(argv)[3] == settings_of(rows, compiled), "the planner reads the flags otherwise"
+        argv = flags(folder, rows, compiled, kernels, work, i)
+        assert planner.planned_run(argv)[3] == settings_of(rows, compiled, kernels), "the planner reads the flags otherwise"
         measured = bench_plan.measure_training(argv, work, i)
         config = json.loads((folder / "config.json").read_text())
         record = {"run": list(RUNS[i]), "config": config, **measured}
         with RAW.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        print(f"[{i}] {blocks} blocks, vocabulary {vocab}, {rows} rows, compiled={compiled}: "
+        print(f"[{i}] {blocks} blocks, vocabulary {vocab}, {rows} rows, compiled={compiled}, kernels {kernels}: "
               f"{memory.format_size(measured['measured_bytes'])} ({measured['seconds']} s)", flush=True)
 
 
 def raw_records() -> list[dict]:
-    return [json.loads(line) for line in RAW.read_text().splitlines() if line.strip()] if RAW.is_file() else []
+    """The measurements, each `run` as in RUNS (the first ones were recorded before --kernels was a column: mlx)."""
+    records = [json.loads(line) for line in RAW.read_text().splitlines() if line.strip()] if RAW.is_file() else []
+    return [{**r, "run": r["run"] + ["mlx"] * (len(r["run"]) == 4)} for r in records]
 
 
-def settings_of(rows: int, compiled: bool) -> memory.TrainSettings:
+def settings_of(rows: int, compiled: bool, kernels: str) -> memory.TrainSettings:
     """The memory model's view of `flags`: what `pose_mlx.plan` derives from them."""
     return memory.TrainSettings(window=1024, target=rows + 1, sampler="full", lora_rank=16, grad_checkpoint=True,
-                                compile=compiled, kernels="mlx")
+                                compile=compiled, kernels=kernels)
 
 
 def predicted_row(record: dict) -> dict:
-    blocks, vocab, rows, compiled = record["run"]
-    estimate = memory.training_memory(record["config"], settings_of(rows, compiled))
-    return {"blocks": blocks, "vocab": vocab, "rows": rows, "compiled": compiled, "config": record["config"],
-            "settings": dataclasses.asdict(settings_of(rows, compiled)),
+    blocks, vocab, rows, compiled, kernels = record["run"]
+    settings = settings_of(rows, compiled, kernels)
+    estimate = memory.training_memory(record["config"], settings)
+    return {"blocks": blocks, "vocab": vocab, "rows": rows, "compiled": compiled, "kernels": kernels,
+            "config": record["config"], "settings": dataclasses.asdict(settings),
             "measured_bytes": record["measured_bytes"], "predicted_bytes": estimate.peak, "phase": estimate.phase,
             "error": estimate.peak / record["measured_bytes"] - 1,
             "score_matrix_bytes": estimate.details["score_matrix_bytes"],
@@ -143,7 +150,8 @@ def report() -> Path:
                                             "runs": rows, "real_model": real, "real_model_unmeasured": unmeasured,
                                             "summary": summary})
     for r in rows:
-        print(f"{r['blocks']:>2} blocks v{r['vocab']:<6} {r['rows']:>5} rows compiled={r['compiled']!s:5}: predicted "
+        print(f"{r['blocks']:>2} blocks v{r['vocab']:<6} {r['rows']:>5} rows compiled={r['compiled']!s:5} "
+              f"{r['kernels']:4}: predicted "
               f"{memory.format_size(r['predicted_bytes'])} ({r['phase']}), measured "
               f"{memory.format_size(r['measured_bytes'])}, {100 * r['error']:+.1f}%")
     for r in real:
