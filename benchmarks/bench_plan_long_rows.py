@@ -46,6 +46,9 @@ SHAPES = [
 # (blocks, vocabulary, input tokens per row, compiled, --kernels)
 RUNS = [(*s, "mlx") for s in SHAPES] + [(*s, "auto") for s in SHAPES] \
     + [(2, 512, 16384, True, "auto"), (2, LARGE_VOCAB, 16384, True, "auto")]
+#: added once the runs above were seen (2026-11-29): the kernels' per-block slope changed between 2, 6 and 12
+#: blocks, and the eager runs had one block count only
+RUNS += [(24, 512, 4096, True, "auto"), (6, 512, 4096, False, "auto"), (12, 512, 4096, False, "auto")]
 
 
 def model_folder(work: Path, blocks: int, vocab: int) -> Path:
