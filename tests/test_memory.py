@@ -568,8 +568,9 @@ def _long_rows():
 @pytest.mark.parametrize("part", ["runs", "real_model"])
 def test_long_checkpointed_rows_within_10_percent_of_their_measured_peaks(part):
     """benchmarks/bench_plan_long_rows.py's measured peaks of real finetune runs (checkpointed LoRA, full-length rows
-    of 2k-8k tokens: SmolLM2-135M's block with 512 or 49,152 vocabulary pieces, and the real model's cost curve),
-    against today's planner from each record's model config and settings: none more than 10% off."""
+    of 2k-16k tokens: SmolLM2-135M's block with 512 or 49,152 vocabulary pieces, through MLX's own attention and loss
+    and through pose_mlx's CPU kernels, and the real model's cost curve), against today's planner from each record's
+    model config and settings: none more than 10% off."""
     rows = _long_rows()[part]
     assert rows
     for row in rows:
@@ -578,8 +579,11 @@ def test_long_checkpointed_rows_within_10_percent_of_their_measured_peaks(part):
 
 
 def test_long_rows_record_holds_the_raw_measurements():
-    """Every measured peak in plan_long_rows.json is one of the raw records the benchmark appended as it ran."""
+    """Every measured peak in plan_long_rows.json is one of the raw records the benchmark appended as it ran (those
+    appended before --kernels was recorded ran with `--kernels mlx`)."""
     raw = [json.loads(line) for line in
            (ROOT / "benchmarks" / "results" / "plan_long_rows.jsonl").read_text().splitlines() if line.strip()]
-    assert sorted((r["run"], r["measured_bytes"]) for r in raw) == sorted(
-        ([r["blocks"], r["vocab"], r["rows"], r["compiled"]], r["measured_bytes"]) for r in _long_rows()["runs"])
+    assert sorted((r["run"] + ["mlx"] * (len(r["run"]) == 4), r["measured_bytes"]) for r in raw) == sorted(
+        ([r["blocks"], r["vocab"], r["rows"], r["compiled"], r["kernels"]], r["measured_bytes"])
+        for r in _long_rows()["runs"])
+    assert {r["kernels"] for r in _long_rows()["runs"]} == {"mlx", "auto"}

@@ -18,11 +18,11 @@ from .device import (BACKENDS, CUDA_LIMIT_FRACTION, available_memory, compute_ba
                      format_size, parse_size)
 from .evaluation import GPU_EVAL_SCORES, KV_CACHE_STEP, TILE_BYTES, eval_memory
 from .plan import Plan, check_fits, check_run, limit, plan_memory, run_settings
-from .training import (BLOCKED_COUNTS, COUNTS, FUSED_BACKWARD_ROWS, GPU_FACTORS, TRANSIENT, Counts, Estimate, TrainSettings,
-                       attention_path, training_memory)
+from .training import (BLOCKED_COUNTS, COUNTS, FUSED_BACKWARD_ROWS, FUSED_CPU_COUNTS, GPU_FACTORS, TRANSIENT, Counts,
+                       Estimate, TrainSettings, attention_path, training_memory)
 
 __all__ = ["BACKENDS", "BLOCKED_COUNTS", "COUNTS", "CUDA_LIMIT_FRACTION", "DTYPE_BYTES", "FAMILIES", "FUSED_BACKWARD_ROWS",
-           "GPU_EVAL_SCORES", "GPU_FACTORS", "KV_CACHE_STEP", "REQUIRED_KEYS", "TILE_BYTES", "TRANSIENT",
+           "FUSED_CPU_COUNTS", "GPU_EVAL_SCORES", "GPU_FACTORS", "KV_CACHE_STEP", "REQUIRED_KEYS", "TILE_BYTES", "TRANSIENT",
            "Architecture", "Counts", "Estimate", "Family", "Linear", "Plan", "TrainSettings", "architecture",
            "attention_path", "available_memory", "check_fits", "check_run", "compute_backend", "cudnn_capable",
            "eval_memory", "format_count", "format_size", "gguf_loaded", "limit", "loaded_architecture",

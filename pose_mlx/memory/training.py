@@ -149,6 +149,20 @@ _BLOCKED_REFIT = {
 }
 BLOCKED_COUNTS = {mode: replace(COUNTS[mode], **terms) for mode, terms in _BLOCKED_REFIT.items()}
 
+#: The same for the fused C++ attention with the C++ RMSNorm and rotary kernels (a Linux CPU, --kernels auto): the
+#: checkpointed LoRA modes refitted to benchmarks/bench_plan_long_rows.py's runs through them (SmolLM2-135M's block,
+#: 2-24 blocks compiled, 2-12 eager, rows of 2k-16k, vocabularies 512 and 49,152), whose peaks grow by the same
+#: multiple of T x hidden whatever the row and the vocabulary: a block already differentiated keeps one hidden- and
+#: one intermediate-sized array compiled (three and a half and two eager), and one block's backward holds fewer
+#: (hidden, intermediate) temporaries, (12, 6) compiled and (4, 3) eager. No run peaked at the head (the loss and
+#: the forward): the compiled head's counts are the largest that keep it below every run's measured peak, one chunk
+#: of logits instead of four and 9 hidden-sized arrays instead of 15. Every other mode is `BLOCKED_COUNTS`'.
+_FUSED_CPU_REFIT = {
+    (True, True, True): dict(kept=(1, 1), backward=(8, 12, 6), head=(1, 9, 13)),
+    (True, False, True): dict(kept=(3.5, 2), backward=(5.5, 4, 3)),
+}
+FUSED_CPU_COUNTS = {mode: replace(counts, **_FUSED_CPU_REFIT.get(mode, {})) for mode, counts in BLOCKED_COUNTS.items()}
+
 
 @dataclass
 class Estimate:
@@ -418,8 +432,8 @@ def training_memory(config: dict | Architecture, settings: TrainSettings) -> Est
     if not settings.lora and arch.quant_bits:
         raise UserError("full fine-tuning cannot train a quantized model; use LoRA (--lora) or an unquantized base")
     path = attention_path(arch, settings)
-    counts = (BLOCKED_COUNTS if path == "blocked" else COUNTS)[(settings.lora, settings.compile,
-                                                                 settings.grad_checkpoint)]
+    table = COUNTS if path != "blocked" else FUSED_CPU_COUNTS if _fused_cpu_attention(settings) else BLOCKED_COUNTS
+    counts = table[(settings.lora, settings.compile, settings.grad_checkpoint)]
     act = _activation(arch, settings)
     trained = _trained(arch, settings, act)
     block = _block(arch, settings, counts, act, trained, path)
