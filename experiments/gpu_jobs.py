@@ -41,6 +41,10 @@ its first 64 KiB and last part when longer than 1 MiB).
   --unpack FILES...   joins the pieces (in name order, none missing; checked against gpu_jobs.json's SHA-256 and
                       each file against its manifest when it lies beside them), refuses absolute paths, '..', links
                       and devices, extracts into the checkout (or --into) and removes the files the jobs removed;
+  --returns DIR       a folder that outlives the call on the same machine (tools/gpu_session.sh gives its stash's):
+                      what earlier calls of the session returned is unpacked into the checkout before the jobs run
+                      (a call's checkout is a fresh copy, so their records would be gone), and this call's return is
+                      added to it;
   --list              runs nothing: each job's state, and the git-ignored files a next call must carry (partial
                       records, checkpoints) to resume;
   --plan              runs nothing: the plan (`experiments.gpu_plan`) of what is pending, over lent sessions of
@@ -66,8 +70,8 @@ from typing import Callable
 from pose_mlx.errors import ArgumentParser, UserError, command
 
 from benchmarks.common import RESULTS_DIR, ROOT, child_env
-from experiments.gpu_pack import (ARCHIVE, LOG_BYTES, Group, changes, code_fingerprint, pack, resume_files, snapshot,
-                                  unpack, write_log)
+from experiments.gpu_pack import (ARCHIVE, LOG_BYTES, Group, changes, code_fingerprint, keep, pack, replay,
+                                  resume_files, snapshot, unpack, write_log)
 
 OUT_BYTES = 60 * 2**20  # everything written into --out
 MAX_FILES = 7
@@ -358,6 +362,9 @@ def main(argv=None) -> int:
     p.add_argument("--unpack", nargs="+", type=Path, metavar="FILE",
                    help="extract results.tar.gz (or all its .partNN pieces) into the checkout")
     p.add_argument("--into", type=Path, default=ROOT, help="with --unpack: where to extract (default: the checkout)")
+    p.add_argument("--returns", type=Path, default=None,
+                   help="a folder outside the checkout that outlives the call: what earlier calls of this session "
+                        "returned is unpacked into the checkout before the jobs, and this call's return is added")
     p.add_argument("--shards", type=int, default=SHARDS, help=f"the test suite's shards (default {SHARDS})")
     p.add_argument("--plan", action="store_true", help="run nothing: what each lent session will run (gpu_plan)")
     p.add_argument("--session-seconds", type=float, default=900.0,
@@ -402,7 +409,12 @@ def main(argv=None) -> int:
             summary = run(dry_jobs(Path(scratch)), args.budget, args.out, [Path(scratch)], Path(scratch),
                           report=default_jobs())
     else:
+        if args.returns is not None:
+            replayed = replay(args.returns, ROOT)
+            print(f"replayed what earlier calls returned: {', '.join(replayed) or 'nothing'}", flush=True)
         summary = run(default_jobs(args.shards), args.budget, args.out, [RESULTS_DIR], ROOT)
+        if args.returns is not None:
+            print(f"this call's return kept in {keep(args.out, args.returns)}")
     _print_pending("pending before:", summary["pending_before"])
     _print_pending("pending after:", summary["pending_after"])
     print(f"{summary['changed']} files changed, {len(summary['removed'])} removed; packed into {args.out}: "

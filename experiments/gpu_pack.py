@@ -7,6 +7,8 @@ next session: the archive's pieces, their manifest, the state that resumes a fin
   AdamW state, float32), not the checkpoint before it;
 - `pack` writes results.tar.gz (or `.partNN` pieces) with its SHA-256 and a manifest of every file's size and
   SHA-256; `unpack` checks both, refuses unsafe members and extracts;
+- `keep` puts a call's return aside on the machine and `replay` unpacks those of earlier calls of the same session
+  into the fresh checkout of the next call;
 - `code_fingerprint` hashes every source file the jobs run (and names the commit when the checkout is a git one),
   so that records made elsewhere can be checked against the commit they claim.
 """
@@ -144,6 +146,31 @@ def unpack(files: list[Path], into: Path, summary: dict | None = None) -> dict:
             target.unlink()
             gone.append(name)
     return {"files": [m.name for m in extracted if m.isfile()], "removed": gone}
+
+
+def replay(returns: Path, into: Path) -> list[str]:
+    """Unpack into `into`, in order, what earlier calls of this session returned and `keep` put in `returns` (one
+    folder per call, 00, 01, ...): a call's checkout is copied afresh, so their records would be gone. The names of
+    the folders replayed."""
+    done = []
+    for folder in sorted(returns.iterdir()) if returns.is_dir() else []:
+        pieces = sorted(folder.glob(f"{ARCHIVE}*"))
+        if pieces:
+            unpack(pieces, into)
+            done.append(folder.name)
+    return done
+
+
+def keep(out: Path, returns: Path) -> Path:
+    """Copy this call's return (gpu_jobs.json and the archive's pieces in `out`) into the next folder of `returns`,
+    for the session's next call to `replay`."""
+    returns.mkdir(parents=True, exist_ok=True)
+    folder = returns / f"{len(list(returns.iterdir())):02d}"
+    folder.mkdir()
+    for f in sorted(out.iterdir()):
+        if f.name == "gpu_jobs.json" or f.name.startswith(ARCHIVE):
+            (folder / f.name).write_bytes(f.read_bytes())
+    return folder
 
 
 def write_log(full: Path, out: Path) -> None:

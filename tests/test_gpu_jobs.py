@@ -130,6 +130,35 @@ def test_run_packs_what_changed_into_pieces_and_unpacks_them_byte_for_byte(tmp_p
     assert copy == tree
 
 
+def test_a_second_call_takes_up_the_first_ones_records_from_the_returns_kept_on_the_machine(tmp_path):
+    """Two calls of one session, each on a fresh copy of the checkout (as the device service gives): the first's
+    return, kept in `returns`, is replayed into the second's checkout before its job runs, so that job finds the
+    first one's record and the second return holds only what it changed; replaying both returns in order into a
+    third copy gives the second call's final tree."""
+    start = {"results/old.json": b"{}"}
+    bump = ("import json, pathlib; p = pathlib.Path({!r}) / 'count.json'; "
+            "n = json.loads(p.read_text())['n'] if p.is_file() else 0; p.write_text(json.dumps({{'n': n + 1}}))")
+    returns = tmp_path / "stash" / "returned"
+    trees = []
+    for call in range(2):
+        base = tmp_path / f"call{call}"
+        _tree(base, start)
+        assert gpu_pack.replay(returns, base) == [f"{i:02d}" for i in range(call)]
+        out = tmp_path / f"out{call}"
+        job = fake("bump", bump.format(str(base / "results")))
+        summary = gpu_jobs.run([job], 60.0, out, [base / "results"], base, reserve=1.0)
+        assert summary["jobs"][0]["outcome"] == "finished" and set(summary["manifest"]) == {"results/count.json"}
+        assert gpu_pack.keep(out, returns) == returns / f"{call:02d}"
+        trees.append({p.relative_to(base): p.read_bytes() for p in base.rglob("*") if p.is_file()})
+    assert json.loads(trees[1][Path("results/count.json")]) == {"n": 2}  # the second call went on from the first
+    assert sorted(f.name for f in (returns / "01").iterdir()) == ["gpu_jobs.json", "results.tar.gz"]
+    home = tmp_path / "home"
+    _tree(home, start)
+    assert gpu_pack.replay(returns, home) == ["00", "01"]
+    assert {p.relative_to(home): p.read_bytes() for p in home.rglob("*") if p.is_file()} == trees[1]
+    assert gpu_pack.replay(tmp_path / "none", home) == []
+
+
 def test_results_over_the_cap_are_left_behind_in_priority_order(tmp_path):
     files = []
     for i in range(4):

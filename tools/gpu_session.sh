@@ -17,8 +17,9 @@
 # checkout on PYTHONPATH, checks that MLX's default device is the GPU, uses the SmolLM2 GGUF and puts the
 # evidence texts in place when they were carried (--data), puts the state an earlier session left to resume from
 # into the checkout when it was carried (--state: checkpoints, partial records), and runs
-# `python3 -m experiments.gpu_jobs --budget B --out DIR` with B = --budget (default 580) less the seconds the
-# set-up took, DIR = --out (default $OUT, else gpu_out in the checkout). $PYTHON names the interpreter (python3);
+# `python3 -m experiments.gpu_jobs --budget B --out DIR --returns STASH/returned` with B = --budget (default 580)
+# less the seconds the set-up took, DIR = --out (default $OUT, else gpu_out in the checkout): a second last call
+# on the same warm machine first takes up what the first one returned. $PYTHON names the interpreter (python3);
 # $POSE_MLX_GPU_CARRIED the carried call folders' parent (.gpu); $POSE_MLX_GPU_HOST_ROOT where the texts go (/).
 set -euo pipefail
 
@@ -66,4 +67,4 @@ LEFT=$((BUDGET - SECONDS))
 [ "$LEFT" -gt 0 ] || die "the set-up took $SECONDS s of the $BUDGET s budget"
 echo "gpu_session: set-up took $SECONDS s; running the GPU jobs for $LEFT s into $OUT_DIR"
 cd "$REPO"
-exec "$PYTHON" -m experiments.gpu_jobs --budget "$LEFT" --out "$OUT_DIR"
+exec "$PYTHON" -m experiments.gpu_jobs --budget "$LEFT" --out "$OUT_DIR" --returns "$STASH/returned"
