@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 import pytest
+import yaml
 
 from pose_mlx.sim.agreement import GOAL, REAL_NAMES, REAL_RUNS, agreement, ranking
 from pose_mlx.sim.report import agreement_section
@@ -122,10 +123,13 @@ def test_every_mapped_name_is_a_grid_run_or_the_real_models():
     names = {r.name for r in grid_runs(8)}
     assert set(REAL_NAMES) <= names
     # every run of the real model's results and protocol has a method here (the exploratory lr 3e-5 run is
-    # the protocol's pose-yarn-lr3e-5, named differently before it)
+    # the protocol's pose-yarn-lr3e-5, named differently before it); addendum A's runs (PoSE against full-length
+    # fine-tuning, its own protocol) are not among the methods the simulator ranks
     real = json.loads(REAL_JSON.read_text())
     protocol = (ROOT / "benchmarks" / "protocols" / "real_model.yaml").read_text()
-    runs = (set(real["runs"]) | {"pose-yarn-notemp"}) - {"pose-yarn (lr3e-5)"}
+    addendum_a = yaml.safe_load((ROOT / "benchmarks" / "protocols" / "real_model_full_length.yaml").read_text())
+    runs = (set(real["runs"]) | {"pose-yarn-notemp"}) - {"pose-yarn (lr3e-5)"} - set(addendum_a["runs"])
+    assert set(addendum_a["runs"]) == {"pose-yarn-joined", "full-yarn"}
     assert "pose-yarn-notemp:" in protocol and "pose-yarn-lr3e-5:" in protocol
     assert {REAL_RUNS.get(m, (m,))[0] for m in REAL_NAMES.values()} | {"pose-yarn"} == runs
 
