@@ -187,6 +187,8 @@ CLAIMS = [
      "through MLX's own attention and loss and through the CPU kernels: all within {:.1f}%.", lambda: [_plan()["summary"]["within_10pct"], 100 * _plan()["summary"]["max_abs_error"],
                                  100 * _plan()["summary"]["eval_max_abs_error"], len(_long_rows()["runs"]),
                                  100 * max(abs(r["error"]) for r in _long_rows()["runs"])]),
+    ("docs/evidence.md", "fine-tuned `pose-yarn-joined` (its adapters are committed) and scored its 32k perplexity, "
+     "{},", lambda: [ppl("pose-yarn-joined", 32768)]),
     ("docs/memory.md", "{} finetune runs through MLX's own attention and loss with one full-length row of 2k-8k tokens",
      lambda: [len(_long_runs("mlx"))]),
     ("docs/memory.md", "the planner is within {:.1f}% of every one of these runs, and it predicts the real model's PoSE "
