@@ -404,6 +404,8 @@ def main(argv=None) -> int:
         raise UserError("--out is required to run jobs (the folder the results are packed into)")
     if args.budget <= 0:
         raise UserError("--budget must be > 0 seconds")
+    if args.returns is not None and args.returns.exists() and not args.returns.is_dir():
+        raise UserError(f"--returns {args.returns} is a file; it names the folder that keeps each call's return")
     if args.dry_run:
         with tempfile.TemporaryDirectory(prefix="gpu_jobs-dry-") as scratch:
             summary = run(dry_jobs(Path(scratch)), args.budget, args.out, [Path(scratch)], Path(scratch),

@@ -290,7 +290,8 @@ def test_command_line_errors_are_one_line(tmp_path):
     for argv, message in ((["--budget", "10"], "--out is required"),
                           (["--budget", "0", "--out", str(tmp_path / "o")], "--budget must be > 0"),
                           (["--out", str(tmp_path)], "holds other files"),
-                          (["--unpack", str(tmp_path / "x.txt")], "expected results.tar.gz")):
+                          (["--unpack", str(tmp_path / "x.txt")], "expected results.tar.gz"),
+                          (["--out", str(tmp_path / "o"), "--returns", str(tmp_path / "x.txt")], "is a file")):
         proc = subprocess.run([sys.executable, "-m", "experiments.gpu_jobs", *argv], capture_output=True, text=True,
                               cwd=ROOT)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
